@@ -1,0 +1,152 @@
+"""otelkv's counters in vLLM's own ``/metrics``, next to ``vllm:nixl_*``.
+
+vLLM builds connector metrics in the API-server process through the connector class's
+``build_prom_metrics`` and feeds them the per-step stats payload. otelkv returns a
+composite: the inner connector's own metrics object (so ``vllm:nixl_*`` keep working
+exactly as before) plus otelkv's metrics, created with vLLM's metric classes and label
+set (``model_name``, ``engine``) so multiprocess mode and label conventions match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from otelkv import names
+from otelkv.engine.messages import split_series_key
+
+# metric -> (kind, documentation, extra label names)
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    names.METRIC_PULL_DECISIONS: (
+        "counter",
+        "Prefill-node pull-or-recompute decisions for the decode node's KV, by final reason.",
+        ("decision", "reason"),
+    ),
+    names.METRIC_PREFILL_TOKENS: (
+        "counter",
+        "Prompt tokens by where their KV came from (computed, local prefix cache, pulled).",
+        ("role", "source"),
+    ),
+    names.METRIC_TRANSFERS: (
+        "counter",
+        "KV reads by this engine, by direction, NIXL backend and outcome.",
+        ("direction", "backend", "outcome"),
+    ),
+    names.METRIC_TRANSFER_BYTES: (
+        "counter",
+        "Bytes of KV read over NIXL by this engine, by direction and backend.",
+        ("direction", "backend"),
+    ),
+    names.METRIC_TRANSFER_SECONDS: (
+        "histogram",
+        "NIXL-measured duration of successful KV reads, per request.",
+        ("direction", "backend"),
+    ),
+    names.METRIC_RETENTIONS: (
+        "counter",
+        "Ended retentions of KV blocks kept for another engine, by kind and outcome.",
+        ("kind", "outcome"),
+    ),
+    names.METRIC_RETENTION_BLOCK_SECONDS: (
+        "counter",
+        "Blocks x seconds held by ended retentions (the memory cost of keeping KV).",
+        ("kind",),
+    ),
+    names.METRIC_RETAINED_BLOCKS: (
+        "gauge",
+        "KV blocks held right now for another engine to read.",
+        ("kind",),
+    ),
+    names.METRIC_RETAINED_BYTES: (
+        "gauge",
+        "Bytes of KV held right now for another engine to read (all TP ranks).",
+        ("kind",),
+    ),
+    names.METRIC_REQUESTS: (
+        "counter",
+        "Requests that ended on this engine, by P/D role and outcome.",
+        ("role", "outcome"),
+    ),
+    names.METRIC_INSTRUMENTATION_ERRORS: (
+        "counter",
+        "Exceptions caught inside otelkv (serving was not affected), by site.",
+        ("site",),
+    ),
+}
+
+
+class OtelKVPromMetrics(KVConnectorPromMetrics):
+    """Composite: the inner connector's Prometheus metrics plus otelkv's."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        inner: KVConnectorPromMetrics | None,
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.inner = inner
+        self._metrics: dict[str, Any] = {}
+        self._children: dict[tuple[str, int, tuple[str, ...]], Any] = {}
+        for name, (kind, doc, extra) in METRICS.items():
+            labels = [*labelnames, *extra]
+            if kind == "counter":
+                metric = self._counter_cls(name=name, documentation=doc, labelnames=labels)
+            elif kind == "gauge":
+                metric = self._gauge_cls(
+                    name=name, documentation=doc, labelnames=labels, multiprocess_mode="mostrecent"
+                )
+            else:
+                metric = self._histogram_cls(
+                    name=name,
+                    documentation=doc,
+                    labelnames=labels,
+                    buckets=list(names.TRANSFER_SECONDS_BUCKETS),
+                )
+            self._metrics[name] = metric
+
+    def _child(self, name: str, engine_idx: int, labels: tuple[str, ...]) -> Any:
+        key = (name, engine_idx, labels)
+        child = self._children.get(key)
+        if child is None:
+            metric = self._metrics[name]
+            child = metric.labels(*self.per_engine_labelvalues[engine_idx], *labels)
+            self._children[key] = child
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        if "otelkv" not in transfer_stats_data:
+            # Not our payload (should not happen): hand it to the inner metrics as-is.
+            if self.inner is not None:
+                self.inner.observe(transfer_stats_data, engine_idx)
+            return
+        inner_data = transfer_stats_data.get("inner")
+        if self.inner is not None and inner_data:
+            self.inner.observe(inner_data, engine_idx)
+        self._observe_otelkv(transfer_stats_data["otelkv"], engine_idx)
+
+    def _observe_otelkv(self, payload: dict[str, dict[str, Any]], engine_idx: int) -> None:
+        try:
+            for key, value in payload.get("c", {}).items():
+                name, labels = split_series_key(key)
+                if name in self._metrics:
+                    self._child(name, engine_idx, labels).inc(value)
+            for key, values in payload.get("h", {}).items():
+                name, labels = split_series_key(key)
+                if name in self._metrics:
+                    child = self._child(name, engine_idx, labels)
+                    for value in values:
+                        child.observe(value)
+            for key, value in payload.get("g", {}).items():
+                name, labels = split_series_key(key)
+                if name in self._metrics:
+                    self._child(name, engine_idx, labels).set(value)
+        except Exception:
+            import logging
+
+            logging.getLogger("vllm.otelkv").warning(
+                "otelkv: could not record metrics payload", exc_info=True
+            )

@@ -1,0 +1,545 @@
+"""Scheduler-side observations (vLLM EngineCore process): requests, decisions, retention.
+
+The scheduler-side connector is the one place that sees a request from arrival to the
+release of its blocks, with its trace context (``request.trace_headers``) and
+conversation id (``request.session_id``). All engine spans are created here; the worker
+side only measures transfers and sends the numbers up (``OtelKVWorkerMeta``).
+
+Per request at most three spans: ``kv_request {role}`` (arrival to finish),
+``kv_transfer {direction}`` (waiting for remote KV until the load is reported) and
+``kv_retention {kind}`` (finish until another engine released the blocks, or the TTL
+expired). Per step the work is proportional to the requests that changed, plus one look
+at the oldest request waiting for remote KV (stuck detection).
+
+Every public method is wrapped by :func:`~otelkv.engine.guard.guarded`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from otelkv import names
+from otelkv.engine.config import EngineSettings
+from otelkv.engine.decision import PullDecision, agrees_with_connector, decide_reverse_pull, role_of
+from otelkv.engine.guard import ErrorLedger, guarded
+from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord, new_payload, payload_is_empty, series_key
+
+# vLLM RequestStatus names (compared by name: the enum's values are not an API).
+_FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
+_FINISHED_ABORTED = {"FINISHED_ABORTED"}
+_DEADLINE_TOLERANCE_S = 0.05
+_PENDING_FINISH_GRACE_S = 5.0
+"""How long a finished request may wait for its KV load's outcome before the transfer is
+reported as abandoned (an abort while the read is in flight reports it later, if ever)."""
+
+
+def base_request_id(request_id: str) -> str:
+    """Strip vLLM's ``-xxxxxxxx`` internal suffix (vLLM ``nixl/utils.get_base_request_id``)."""
+    head, sep, tail = request_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+        return head
+    return request_id
+
+
+@dataclass(slots=True)
+class _Retention:
+    kind: str
+    span: Span
+    blocks: int
+    bytes: int
+    ttl_s: float
+    start_perf: float
+    deadline_perf: float
+    expired_flag: bool = False
+
+
+@dataclass(slots=True)
+class _Finish:
+    status: str
+    output_tokens: int
+    block_ids: Any
+    delay_free: bool
+    params: dict[str, Any] | None
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    role: str
+    span: Span
+    ctx: Context
+    prompt_tokens: int
+    local_hit: int = 0
+    matched: int | None = None
+    decision: PullDecision | None = None
+    reason: str | None = None
+    pulled: int = 0
+    allocated: bool = False
+    wait_start_ns: int | None = None
+    wait_start_perf: float | None = None
+    load_outcome: str | None = None
+    remote_kv_wait_s: float | None = None
+    ended: bool = False
+    retention: _Retention | None = None
+    pending_finish: _Finish | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SchedulerObserver:
+    """Turns scheduler hooks into spans and metric observations for one engine."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        errors: ErrorLedger,
+        tracer: trace.Tracer,
+        *,
+        connector_name: str,
+        bytes_per_block: int,
+    ) -> None:
+        self.settings = settings
+        self.errors = errors
+        self._tracer = tracer
+        self._connector_name = connector_name
+        self._bytes_per_block = bytes_per_block
+        self._reqs: dict[str, _Request] = {}
+        self._waiting: dict[str, float] = {}  # insertion-ordered: oldest first
+        self._pending_finish: dict[str, float] = {}  # likewise
+        self._retained_blocks: dict[str, int] = {k: 0 for k in names.RETENTION_KINDS}
+        self._payload = new_payload()
+        self._static_attrs: dict[str, Any] = {
+            names.ENGINE_ID: settings.engine_id,
+            names.KV_CONNECTOR: connector_name,
+            names.GEN_AI_REQUEST_MODEL: settings.model,
+            names.GEN_AI_PROVIDER_NAME: names.PROVIDER_VLLM,
+            names.BIDIRECTIONAL_KV_XFER: settings.bidirectional,
+            names.KV_RECOMPUTE_THRESHOLD: settings.recompute_threshold,
+            names.DECODER_KV_BLOCKS_TTL: settings.decoder_ttl_s,
+            names.KV_LOAD_FAILURE_POLICY: settings.load_failure_policy,
+        }
+
+    # ------------------------------------------------------------------ metrics
+
+    def _count(self, metric: str, *labels: str, value: float = 1) -> None:
+        key = series_key(metric, *labels)
+        counters = self._payload["c"]
+        counters[key] = counters.get(key, 0) + value
+
+    def _observe(self, metric: str, value: float, *labels: str) -> None:
+        self._payload["h"].setdefault(series_key(metric, *labels), []).append(value)
+
+    def _set_retained_gauges(self, kind: str) -> None:
+        blocks = self._retained_blocks[kind]
+        self._payload["g"][series_key(names.METRIC_RETAINED_BLOCKS, kind)] = blocks
+        self._payload["g"][series_key(names.METRIC_RETAINED_BYTES, kind)] = blocks * self._bytes_per_block
+
+    def take_payload(self) -> dict[str, dict[str, Any]] | None:
+        """This step's metric observations (and caught errors), or None if there are none."""
+        errors = self.errors.drain()
+        for site, n in errors.items():
+            self._count(names.METRIC_INSTRUMENTATION_ERRORS, site, value=n)
+        if payload_is_empty(self._payload):
+            return None
+        payload, self._payload = self._payload, new_payload()
+        return payload
+
+    # ------------------------------------------------------------------ hooks
+
+    @guarded("on_new_request")
+    def on_new_request(self, request: Any) -> None:
+        request_id = request.request_id
+        role = role_of(request.kv_transfer_params)
+        headers = request.trace_headers
+        parent = propagate.extract({k.lower(): v for k, v in headers.items()}) if headers else None
+        span = self._tracer.start_span(
+            names.engine_request_span_name(role), context=parent, kind=SpanKind.INTERNAL
+        )
+        if span.is_recording():
+            attrs = dict(self._static_attrs)
+            attrs[names.ROLE] = role
+            attrs[names.REQUEST_ID] = request_id
+            base = base_request_id(request_id)
+            attrs[names.BASE_REQUEST_ID] = base
+            attrs[names.GEN_AI_REQUEST_ID] = base
+            if request.session_id:
+                attrs[names.GEN_AI_CONVERSATION_ID] = str(request.session_id)
+            span.set_attributes(attrs)
+        self._reqs[request_id] = _Request(
+            request_id=request_id,
+            role=role,
+            span=span,
+            ctx=trace.set_span_in_context(span),
+            prompt_tokens=int(request.num_prompt_tokens or 0),
+        )
+
+    @guarded("get_num_new_matched_tokens")
+    def on_matched(self, request: Any, num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is None or state.allocated:
+            return
+        state.local_hit = int(num_computed_tokens)
+        state.matched = result[0]
+        if state.role == names.ROLE_PREFILL:
+            state.decision = decide_reverse_pull(
+                request.kv_transfer_params or {},
+                num_prompt_tokens=state.prompt_tokens,
+                local_hit=state.local_hit,
+                threshold=self.settings.recompute_threshold,
+                bidirectional=self.settings.bidirectional,
+            )
+
+    @guarded("update_state_after_alloc")
+    def on_alloc(self, request: Any, num_external_tokens: int) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is None or state.allocated:
+            return  # vLLM calls this a second time once an async load completed
+        state.allocated = True
+        state.pulled = int(num_external_tokens)
+        decision = state.decision
+        if decision is not None:
+            state.reason = decision.reason
+            if not agrees_with_connector(decision, state.matched):
+                # Never publish a reason that contradicts what the connector did.
+                state.reason = None
+                self.errors.record(
+                    "decision_mismatch",
+                    RuntimeError(
+                        f"otelkv derived {decision.decision}/{decision.reason} but the "
+                        f"connector matched {state.matched} tokens"
+                    ),
+                )
+        if num_external_tokens > 0 and state.matched:
+            state.wait_start_ns = time.time_ns()
+            state.wait_start_perf = time.perf_counter()
+            self._waiting[state.request_id] = state.wait_start_perf
+
+    @guarded("build_connector_meta")
+    def on_step(self) -> None:
+        """Once per engine step: report requests waiting for remote KV too long."""
+        if self._pending_finish:
+            now = time.perf_counter()
+            for request_id, since in list(self._pending_finish.items()):
+                if now - since < _PENDING_FINISH_GRACE_S:
+                    break
+                state = self._reqs.get(request_id)
+                if state is None:
+                    del self._pending_finish[request_id]
+                else:
+                    self._complete_pending(state)
+        if not self._waiting:
+            return
+        now = time.perf_counter()
+        limit = self.settings.stuck_after_s
+        for request_id, since in list(self._waiting.items()):
+            if now - since < limit:
+                break  # oldest first: nobody after this one is older
+            del self._waiting[request_id]
+            state = self._reqs.get(request_id)
+            if state is not None:
+                self._report_stuck(state, now - since)
+
+    def _complete_pending(self, state: _Request) -> None:
+        finish, state.pending_finish = state.pending_finish, None
+        self._pending_finish.pop(state.request_id, None)
+        if state.wait_start_ns is not None:
+            self._end_transfer(state, None, names.TRANSFER_ABANDONED)
+        if finish is not None:
+            self._finish(state, finish)
+
+    def _report_stuck(self, state: _Request, waited_s: float) -> None:
+        state.load_outcome = names.TRANSFER_STUCK
+        state.remote_kv_wait_s = waited_s
+        self._end_transfer(state, None, names.TRANSFER_STUCK)
+        message = (
+            f"waiting for remote KV for {waited_s:.1f}s (> {self.settings.stuck_after_s:g}s, "
+            "otelkv_stuck_after_s); the request is still parked in WAITING_FOR_REMOTE_KVS"
+        )
+        self._end_request(state, names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV, None, message)
+
+    @guarded("update_connector_output")
+    def on_output(self, output: Any, meta: OtelKVWorkerMeta | None) -> None:
+        transfers = meta.transfers if meta is not None else {}
+        if meta is not None:
+            for request_id in meta.expired_sends:
+                state = self._reqs.get(request_id)
+                if state is not None and state.retention is not None:
+                    state.retention.expired_flag = True
+        failed = output.failed_recving or ()
+        for request_id in output.finished_recving or ():
+            state = self._reqs.get(request_id)
+            if state is None:
+                continue
+            self._waiting.pop(request_id, None)
+            record = transfers.get(request_id)
+            outcome = record.outcome if record is not None else names.TRANSFER_OK
+            if request_id in failed and outcome == names.TRANSFER_OK:
+                outcome = names.TRANSFER_FAILED
+            if state.load_outcome != names.TRANSFER_STUCK:  # stuck: its span already ended
+                self._end_transfer(state, record, outcome)
+            if state.pending_finish is not None:
+                self._complete_pending(state)
+        for request_id in output.finished_sending or ():
+            state = self._reqs.get(request_id)
+            if state is not None and state.retention is not None:
+                self._end_retention(state)
+
+    def _direction(self, role: str) -> str:
+        if role == names.ROLE_PREFILL:
+            return names.DIRECTION_D_TO_P
+        if role == names.ROLE_DECODE:
+            return names.DIRECTION_P_TO_D
+        return names.DIRECTION_LOAD
+
+    def _end_transfer(self, state: _Request, record: TransferRecord | None, outcome: str) -> None:
+        if state.wait_start_ns is None:
+            return
+        start_ns, start_perf = state.wait_start_ns, state.wait_start_perf or time.perf_counter()
+        state.wait_start_ns = None
+        waited = time.perf_counter() - start_perf
+        state.remote_kv_wait_s = waited
+        state.load_outcome = outcome
+        direction = self._direction(state.role)
+        backend = self.settings.backend_label
+        if outcome != names.TRANSFER_OK:
+            state.pulled = 0
+            if state.reason is not None and outcome in (
+                names.TRANSFER_DECLINED_EXPIRED,
+                names.TRANSFER_FAILED,
+            ):
+                state.reason = (
+                    names.REASON_DECLINED_EXPIRED
+                    if outcome == names.TRANSFER_DECLINED_EXPIRED
+                    else names.REASON_TRANSFER_FAILED
+                )
+        self._count(names.METRIC_TRANSFERS, direction, backend, outcome)
+        if record is not None and record.bytes:
+            self._count(names.METRIC_TRANSFER_BYTES, direction, backend, value=record.bytes)
+        if record is not None and outcome == names.TRANSFER_OK and record.handles:
+            self._observe(names.METRIC_TRANSFER_SECONDS, record.xfer_s, direction, backend)
+
+        span = self._tracer.start_span(
+            names.transfer_span_name(direction), context=state.ctx, start_time=start_ns
+        )
+        if span.is_recording():
+            decision = state.decision
+            attrs: dict[str, Any] = {
+                names.TRANSFER_DIRECTION: direction,
+                names.TRANSFER_BACKEND: backend,
+                names.TRANSFER_OUTCOME: outcome,
+                names.TRANSFER_WAIT_SECONDS: waited,
+                names.TRANSFER_TOKENS: int(state.matched or 0),
+                names.ENGINE_ID: self.settings.engine_id,
+                names.REQUEST_ID: state.request_id,
+            }
+            if record is not None:
+                attrs[names.TRANSFER_BYTES] = record.bytes
+                attrs[names.TRANSFER_DESCRIPTORS] = record.descriptors
+                attrs[names.TRANSFER_HANDLES] = record.handles
+                attrs[names.TRANSFER_XFER_SECONDS] = record.xfer_s
+                attrs[names.TRANSFER_POST_SECONDS] = record.post_s
+                if record.remote_engine_id:
+                    attrs[names.REMOTE_ENGINE_ID] = record.remote_engine_id
+            if decision is not None and decision.remote_engine_id:
+                attrs[names.REMOTE_ENGINE_ID] = decision.remote_engine_id
+                if decision.remote_request_id:
+                    attrs[names.REMOTE_REQUEST_ID] = decision.remote_request_id
+            span.set_attributes(attrs)
+            if outcome != names.TRANSFER_OK:
+                span.set_status(Status(StatusCode.ERROR, _transfer_message(outcome, state)))
+                span.set_attribute(names.ERROR_TYPE, outcome)
+        span.end()
+
+    @guarded("request_finished")
+    def on_finished(self, request: Any, block_ids: Any, result: tuple[bool, dict[str, Any] | None]) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            return
+        self._waiting.pop(state.request_id, None)
+        status = getattr(request.status, "name", str(request.status))
+        finish = _Finish(
+            status=status,
+            output_tokens=int(getattr(request, "num_output_tokens", 0) or 0),
+            block_ids=block_ids,
+            delay_free=bool(result[0]),
+            params=result[1],
+        )
+        if state.wait_start_ns is not None:
+            # vLLM fails a request whose KV load failed *before* it reports the load
+            # (same step, just after): finish once the load's outcome is known.
+            state.pending_finish = finish
+            self._pending_finish[state.request_id] = time.perf_counter()
+            return
+        self._finish(state, finish)
+
+    def _finish(self, state: _Request, finish: _Finish) -> None:
+        status = finish.status
+        if status in _FINISHED_OK:
+            outcome, message = names.OUTCOME_FINISHED, None
+        elif status in _FINISHED_ABORTED:
+            outcome, message = names.OUTCOME_ABORTED, None
+        elif state.load_outcome in (names.TRANSFER_DECLINED_EXPIRED, names.TRANSFER_FAILED):
+            outcome = names.OUTCOME_FAILED_KV_LOAD
+            message = (
+                f"KV load failed ({state.load_outcome}); kv_load_failure_policy="
+                f"{self.settings.load_failure_policy} failed the request"
+            )
+        else:
+            outcome, message = names.OUTCOME_ERROR, f"vLLM finished the request with {status}"
+
+        state.extra[names.REQUEST_STATUS] = status
+        state.extra[names.GEN_AI_USAGE_OUTPUT_TOKENS] = finish.output_tokens
+        state.extra[names.KV_PARAMS_RETURNED] = finish.params is not None
+        if finish.delay_free:
+            self._start_retention(state, finish.block_ids, finish.params)
+        self._end_request(state, outcome, finish.params, message)
+        if state.retention is None:
+            self._reqs.pop(state.request_id, None)
+
+    def _end_request(
+        self, state: _Request, outcome: str, params: dict[str, Any] | None, message: str | None
+    ) -> None:
+        if state.ended:
+            return
+        state.ended = True
+        role = state.role
+        pulled = state.pulled if state.load_outcome in (None, names.TRANSFER_OK) else 0
+        computed = max(state.prompt_tokens - state.local_hit - pulled, 0) if state.allocated else 0
+        self._count(names.METRIC_REQUESTS, role, outcome)
+        if state.allocated:
+            self._count(names.METRIC_PREFILL_TOKENS, role, names.TOKEN_SOURCE_COMPUTED, value=computed)
+            self._count(
+                names.METRIC_PREFILL_TOKENS, role, names.TOKEN_SOURCE_LOCAL_CACHE, value=state.local_hit
+            )
+            self._count(names.METRIC_PREFILL_TOKENS, role, names.TOKEN_SOURCE_PULLED, value=pulled)
+        decision = state.decision
+        if decision is not None and state.reason is not None:
+            self._count(names.METRIC_PULL_DECISIONS, decision.decision, state.reason)
+
+        span = state.span
+        if span.is_recording():
+            attrs: dict[str, Any] = dict(state.extra)
+            attrs[names.REQUEST_OUTCOME] = outcome
+            attrs[names.GEN_AI_USAGE_INPUT_TOKENS] = state.prompt_tokens
+            if state.allocated:
+                attrs[names.TOKENS_LOCAL_CACHE_HIT] = state.local_hit
+                attrs[names.TOKENS_PULLED] = pulled
+                attrs[names.TOKENS_COMPUTED] = computed
+                attrs[names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = state.local_hit + pulled
+            if state.remote_kv_wait_s is not None:
+                attrs[names.REMOTE_KV_WAIT_SECONDS] = state.remote_kv_wait_s
+            if decision is not None:
+                attrs[names.PULL_DECISION] = decision.decision
+                if state.reason is not None:
+                    attrs[names.PULL_REASON] = state.reason
+                attrs[names.TOKENS_REMOTE_REUSABLE] = decision.remote_reusable
+                attrs[names.REMOTE_BLOCKS] = decision.remote_blocks
+                if decision.remote_num_tokens is not None:
+                    attrs[names.REMOTE_NUM_TOKENS] = decision.remote_num_tokens
+                if decision.remote_engine_id:
+                    attrs[names.REMOTE_ENGINE_ID] = decision.remote_engine_id
+                if decision.remote_request_id:
+                    attrs[names.REMOTE_REQUEST_ID] = decision.remote_request_id
+            elif role == names.ROLE_DECODE and state.matched:
+                attrs[names.TOKENS_REMOTE_REUSABLE] = int(state.matched)
+            span.set_attributes(attrs)
+            if message is not None and outcome not in (names.OUTCOME_FINISHED, names.OUTCOME_ABORTED):
+                span.set_status(Status(StatusCode.ERROR, message))
+                span.set_attribute(names.ERROR_TYPE, outcome)
+        span.end()
+
+    # ------------------------------------------------------------------ retention
+
+    def _start_retention(self, state: _Request, block_ids: Any, params: dict[str, Any] | None) -> None:
+        blocks = _count_blocks(block_ids)
+        now = time.perf_counter()
+        if state.role == names.ROLE_DECODE:
+            kind, ttl = names.RETENTION_DECODE_TTL, self.settings.decoder_ttl_s
+        else:
+            kind, ttl = names.RETENTION_PREFILL_LEASE, self.settings.lease_s
+        deadline = now + ttl
+        expiry = (params or {}).get("remote_blocks_expiry_time")
+        if isinstance(expiry, (int, float)):
+            deadline = float(expiry)  # same process, same perf_counter clock
+            ttl = max(deadline - now, 0.0)
+        nbytes = blocks * self._bytes_per_block
+        span = self._tracer.start_span(names.retention_span_name(kind), context=state.ctx)
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    names.RETENTION_KIND: kind,
+                    names.RETENTION_BLOCKS: blocks,
+                    names.RETENTION_BYTES: nbytes,
+                    names.RETENTION_TTL_SECONDS: ttl,
+                    names.RETENTION_DEADLINE: time.time() + (deadline - now),
+                    names.ENGINE_ID: self.settings.engine_id,
+                    names.REQUEST_ID: state.request_id,
+                }
+            )
+        state.retention = _Retention(kind, span, blocks, nbytes, ttl, now, deadline)
+        self._retained_blocks[kind] += blocks
+        self._set_retained_gauges(kind)
+
+    def _end_retention(self, state: _Request, outcome: str | None = None) -> None:
+        retention = state.retention
+        if retention is None:
+            return
+        state.retention = None
+        now = time.perf_counter()
+        if outcome is None:
+            expired = retention.expired_flag or (
+                retention.kind == names.RETENTION_DECODE_TTL
+                and now >= retention.deadline_perf - _DEADLINE_TOLERANCE_S
+            )
+            outcome = names.RETENTION_EXPIRED if expired else names.RETENTION_CONSUMED
+        held = max(now - retention.start_perf, 0.0)
+        block_seconds = retention.blocks * held
+        self._count(names.METRIC_RETENTIONS, retention.kind, outcome)
+        self._count(names.METRIC_RETENTION_BLOCK_SECONDS, retention.kind, value=block_seconds)
+        self._retained_blocks[retention.kind] -= retention.blocks
+        self._set_retained_gauges(retention.kind)
+        span = retention.span
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    names.RETENTION_OUTCOME: outcome,
+                    names.RETENTION_HELD_SECONDS: held,
+                    names.RETENTION_BLOCK_SECONDS: block_seconds,
+                }
+            )
+        span.end()
+        if state.ended:
+            self._reqs.pop(state.request_id, None)
+
+    @guarded("shutdown")
+    def shutdown(self) -> None:
+        """End what is still open so nothing is silently lost at engine shutdown."""
+        for state in list(self._reqs.values()):
+            if state.retention is not None:
+                self._end_retention(state, names.RETENTION_DROPPED)
+        self._reqs.clear()
+        self._waiting.clear()
+
+
+def _count_blocks(block_ids: Any) -> int:
+    if not block_ids:
+        return 0
+    first = block_ids[0]
+    if isinstance(first, (list, tuple)):
+        return sum(len(group) for group in block_ids)
+    return len(block_ids)
+
+
+def _transfer_message(outcome: str, state: _Request) -> str:
+    if outcome == names.TRANSFER_DECLINED_EXPIRED:
+        return "remote KV blocks had expired (decoder_kv_blocks_ttl lapsed): the read was declined"
+    if outcome == names.TRANSFER_STUCK:
+        return "no load completion reported; the request is stuck waiting for remote KV"
+    if outcome == names.TRANSFER_ABANDONED:
+        return "the request ended before its KV load was reported"
+    return f"KV transfer failed for {state.request_id}"

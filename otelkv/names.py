@@ -1,0 +1,371 @@
+"""Every span name, attribute key, metric name and fixed vocabulary otelkv emits.
+
+Engine-side code, the reference fleet, tests (and later the sidecar, store queries and
+dashboards) import names from here, so a rename is one edit and a grep finds every use.
+
+Choices, in order of preference:
+
+1. OpenTelemetry GenAI semantic conventions where a key exists (``gen_ai.*``). The GenAI
+   conventions moved to their own repository and have no Python package; the constants
+   are copied here on purpose.
+2. vLLM's own vocabulary for the things vLLM names (``engine_id``, ``remote_engine_id``,
+   ``kv_recompute_threshold``, ...), under the ``otelkv.`` prefix so nothing collides with
+   vLLM's own span attributes.
+3. ``otelkv.`` for everything else.
+
+Conversation ids are span attributes only, never metric labels: every metric label below
+takes its values from one of the closed vocabularies at the end of this module.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --------------------------------------------------------------------------------------
+# Instrumentation scope
+# --------------------------------------------------------------------------------------
+
+SCOPE_ENGINE: Final = "otelkv.engine"
+"""Tracer/meter scope of the instrumented connector (inside vLLM processes)."""
+
+SCOPE_FLEET: Final = "otelkv.fleet"
+"""Tracer scope of the reference fleet's router and agent driver."""
+
+# --------------------------------------------------------------------------------------
+# Span names (low cardinality: the variable part is a role or a direction)
+# --------------------------------------------------------------------------------------
+
+SPAN_ENGINE_REQUEST: Final = "kv_request {role}"
+"""One request's life on one engine, as the KV connector sees it (role: prefill/decode)."""
+
+SPAN_TRANSFER: Final = "kv_transfer {direction}"
+"""One KV transfer read by this engine (direction: ``D->P`` reverse pull, ``P->D``)."""
+
+SPAN_RETENTION: Final = "kv_retention {kind}"
+"""Blocks an engine keeps after a request so that another engine can read them."""
+
+SPAN_ROUTER_TURN: Final = "router {operation}"
+"""The reference router's handling of one request (operation: chat/text_completion)."""
+
+SPAN_ROUTER_LEG: Final = "router_leg {role}"
+"""One leg (prefill or decode call) of the reference router."""
+
+SPAN_AGENT_TURN: Final = "chat {model}"
+"""The agent driver's client span for one turn (GenAI inference span naming)."""
+
+SPAN_TOOL: Final = "execute_tool {name}"
+"""The agent driver's tool execution span (GenAI convention)."""
+
+
+def engine_request_span_name(role: str) -> str:
+    return SPAN_ENGINE_REQUEST.format(role=role)
+
+
+def transfer_span_name(direction: str) -> str:
+    return SPAN_TRANSFER.format(direction=direction)
+
+
+def retention_span_name(kind: str) -> str:
+    return SPAN_RETENTION.format(kind=kind)
+
+
+# --------------------------------------------------------------------------------------
+# GenAI semantic-convention attribute keys
+# --------------------------------------------------------------------------------------
+
+GEN_AI_CONVERSATION_ID: Final = "gen_ai.conversation.id"
+GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
+GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME: Final = "gen_ai.provider.name"
+GEN_AI_RESPONSE_ID: Final = "gen_ai.response.id"
+GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
+GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
+GEN_AI_REQUEST_ID: Final = "gen_ai.request.id"
+"""Not in the GenAI registry: vLLM's own ``llm_request`` span uses it for the external
+request id (``chatcmpl-...``). otelkv sets it to the same value, so its engine spans join
+vLLM-native spans on one key."""
+ERROR_TYPE: Final = "error.type"
+
+PROVIDER_VLLM: Final = "vllm"
+
+# --------------------------------------------------------------------------------------
+# otelkv attribute keys: identity
+# --------------------------------------------------------------------------------------
+
+ROLE: Final = "otelkv.role"
+"""What this request is on this engine: ``prefill``, ``decode`` or ``unified``."""
+ENGINE_ID: Final = "otelkv.engine_id"
+"""vLLM ``kv_transfer_config.engine_id`` of the engine that emitted the span."""
+REQUEST_ID: Final = "otelkv.request_id"
+"""vLLM's internal request id (external id plus an 8-hex suffix)."""
+BASE_REQUEST_ID: Final = "otelkv.base_request_id"
+"""Internal id without the suffix; identical on P and D for one routed request."""
+KV_CONNECTOR: Final = "otelkv.kv_connector"
+"""Class name of the wrapped (inner) connector."""
+
+# --------------------------------------------------------------------------------------
+# otelkv attribute keys: configuration in force (vLLM names)
+# --------------------------------------------------------------------------------------
+
+KV_RECOMPUTE_THRESHOLD: Final = "otelkv.kv_recompute_threshold"
+DECODER_KV_BLOCKS_TTL: Final = "otelkv.decoder_kv_blocks_ttl"
+BIDIRECTIONAL_KV_XFER: Final = "otelkv.bidirectional_kv_xfer"
+KV_LOAD_FAILURE_POLICY: Final = "otelkv.kv_load_failure_policy"
+KV_LEASE_DURATION: Final = "otelkv.kv_lease_duration"
+
+# --------------------------------------------------------------------------------------
+# otelkv attribute keys: tokens of one request
+# --------------------------------------------------------------------------------------
+
+TOKENS_LOCAL_CACHE_HIT: Final = "otelkv.tokens.local_cache_hit"
+"""Prompt tokens found in this engine's own prefix cache (block aligned)."""
+TOKENS_REMOTE_REUSABLE: Final = "otelkv.tokens.remote_reusable"
+"""Tokens beyond the local hit that the remote engine holds and could be read."""
+TOKENS_PULLED: Final = "otelkv.tokens.pulled"
+"""Tokens actually loaded from the remote engine."""
+TOKENS_COMPUTED: Final = "otelkv.tokens.computed"
+"""Prompt tokens this engine had to compute (prompt - local hit - pulled)."""
+
+# --------------------------------------------------------------------------------------
+# otelkv attribute keys: the pull-or-recompute decision and the remote handle
+# --------------------------------------------------------------------------------------
+
+PULL_DECISION: Final = "otelkv.pull.decision"
+"""``pull`` or ``recompute`` (see :data:`PULL_DECISIONS`)."""
+PULL_REASON: Final = "otelkv.pull.reason"
+"""Why, from :data:`PULL_REASONS`; updated to the transfer's fate when a pull fails."""
+REMOTE_ENGINE_ID: Final = "otelkv.remote_engine_id"
+REMOTE_REQUEST_ID: Final = "otelkv.remote_request_id"
+REMOTE_NUM_TOKENS: Final = "otelkv.remote_num_tokens"
+REMOTE_BLOCKS: Final = "otelkv.remote_blocks"
+KV_PARAMS_RETURNED: Final = "otelkv.kv_transfer_params.returned"
+"""Whether this engine's finished request handed back ``kv_transfer_params`` (a handle
+the next hop can read from). A decode node with bidirectional transfer off returns none."""
+
+# --------------------------------------------------------------------------------------
+# otelkv attribute keys: one transfer
+# --------------------------------------------------------------------------------------
+
+TRANSFER_DIRECTION: Final = "otelkv.transfer.direction"
+TRANSFER_BYTES: Final = "otelkv.transfer.bytes"
+TRANSFER_DESCRIPTORS: Final = "otelkv.transfer.descriptors"
+TRANSFER_TOKENS: Final = "otelkv.transfer.tokens"
+"""Tokens the connector asked to load (the transfer's size in tokens)."""
+TRANSFER_HANDLES: Final = "otelkv.transfer.handles"
+"""NIXL transfer handles posted for this request (one per remote rank and region)."""
+TRANSFER_XFER_SECONDS: Final = "otelkv.transfer.xfer_s"
+"""NIXL-measured transfer duration (``xferDuration``), summed over handles."""
+TRANSFER_POST_SECONDS: Final = "otelkv.transfer.post_s"
+"""NIXL-measured time to post the transfer (``postDuration``), summed over handles."""
+TRANSFER_WAIT_SECONDS: Final = "otelkv.transfer.wait_s"
+"""Time the scheduler waited for the KV: allocation until the load was reported done."""
+TRANSFER_BACKEND: Final = "otelkv.transfer.backend"
+TRANSFER_OUTCOME: Final = "otelkv.transfer.outcome"
+
+# --------------------------------------------------------------------------------------
+# otelkv attribute keys: one retention
+# --------------------------------------------------------------------------------------
+
+RETENTION_KIND: Final = "otelkv.retention.kind"
+RETENTION_BLOCKS: Final = "otelkv.retention.blocks"
+RETENTION_BYTES: Final = "otelkv.retention.bytes"
+RETENTION_TTL_SECONDS: Final = "otelkv.retention.ttl_s"
+RETENTION_DEADLINE: Final = "otelkv.retention.deadline_unix"
+RETENTION_OUTCOME: Final = "otelkv.retention.outcome"
+RETENTION_HELD_SECONDS: Final = "otelkv.retention.held_s"
+RETENTION_BLOCK_SECONDS: Final = "otelkv.retention.block_seconds"
+
+# --------------------------------------------------------------------------------------
+# otelkv attribute keys: how the request ended
+# --------------------------------------------------------------------------------------
+
+REQUEST_OUTCOME: Final = "otelkv.request.outcome"
+REQUEST_STATUS: Final = "otelkv.request.vllm_status"
+REMOTE_KV_WAIT_SECONDS: Final = "otelkv.request.remote_kv_wait_s"
+
+# --------------------------------------------------------------------------------------
+# Attribute keys of the reference fleet (router and agent driver)
+# --------------------------------------------------------------------------------------
+
+TURN_INDEX: Final = "otelkv.turn.index"
+ROUTER_HANDLE: Final = "otelkv.router.handle"
+"""What the router knew of the conversation's decode handle (:data:`ROUTER_HANDLE_STATES`)."""
+ROUTER_HANDLE_AGE_SECONDS: Final = "otelkv.router.handle_age_s"
+ROUTER_DECODE_STREAMED: Final = "otelkv.router.decode_streamed"
+HTTP_STATUS: Final = "http.response.status_code"
+
+# --------------------------------------------------------------------------------------
+# Resource attributes
+# --------------------------------------------------------------------------------------
+
+RESOURCE_PROCESS_KIND: Final = "otelkv.process.kind"
+"""``scheduler`` (vLLM EngineCore) or ``worker``."""
+
+# --------------------------------------------------------------------------------------
+# Closed vocabularies (metric labels take values only from these)
+# --------------------------------------------------------------------------------------
+
+ROLE_PREFILL: Final = "prefill"
+ROLE_DECODE: Final = "decode"
+ROLE_UNIFIED: Final = "unified"
+ROLES: Final = (ROLE_PREFILL, ROLE_DECODE, ROLE_UNIFIED)
+
+DIRECTION_D_TO_P: Final = "D->P"
+DIRECTION_P_TO_D: Final = "P->D"
+DIRECTION_LOAD: Final = "load"
+"""A load by a connector that is not a P/D hand-off (e.g. an offloading connector)."""
+DIRECTIONS: Final = (DIRECTION_D_TO_P, DIRECTION_P_TO_D, DIRECTION_LOAD)
+
+DECISION_PULL: Final = "pull"
+DECISION_RECOMPUTE: Final = "recompute"
+PULL_DECISIONS: Final = (DECISION_PULL, DECISION_RECOMPUTE)
+
+REASON_PULLED: Final = "pulled"
+REASON_BELOW_THRESHOLD: Final = "below_threshold"
+REASON_NOTHING_BEYOND_LOCAL_HIT: Final = "nothing_beyond_local_hit"
+REASON_NO_DECODE_HANDLE: Final = "no_decode_handle"
+REASON_INVALID_HANDLE: Final = "invalid_handle"
+REASON_BIDIRECTIONAL_OFF: Final = "bidirectional_off"
+"""The router sent a decode handle but this prefill engine has bidirectional transfer off:
+vLLM 0.32.0 then reports the tokens as loadable but never reads them."""
+REASON_DECLINED_EXPIRED: Final = "declined_expired"
+REASON_TRANSFER_FAILED: Final = "transfer_failed"
+PULL_REASONS: Final = (
+    REASON_PULLED,
+    REASON_BELOW_THRESHOLD,
+    REASON_NOTHING_BEYOND_LOCAL_HIT,
+    REASON_NO_DECODE_HANDLE,
+    REASON_INVALID_HANDLE,
+    REASON_BIDIRECTIONAL_OFF,
+    REASON_DECLINED_EXPIRED,
+    REASON_TRANSFER_FAILED,
+)
+
+TRANSFER_OK: Final = "ok"
+TRANSFER_DECLINED_EXPIRED: Final = "declined_expired"
+TRANSFER_FAILED: Final = "failed"
+TRANSFER_STUCK: Final = "stuck"
+TRANSFER_ABANDONED: Final = "abandoned"
+"""The request ended (aborted, preempted away) before its load was reported."""
+TRANSFER_OUTCOMES: Final = (
+    TRANSFER_OK,
+    TRANSFER_DECLINED_EXPIRED,
+    TRANSFER_FAILED,
+    TRANSFER_STUCK,
+    TRANSFER_ABANDONED,
+)
+
+RETENTION_DECODE_TTL: Final = "decode_ttl"
+"""Decode node keeps a finished turn for the next turn's prefill (bidirectional)."""
+RETENTION_PREFILL_LEASE: Final = "prefill_lease"
+"""Prefill node keeps a prompt's KV until the decode node has read it."""
+RETENTION_KINDS: Final = (RETENTION_DECODE_TTL, RETENTION_PREFILL_LEASE)
+
+RETENTION_CONSUMED: Final = "consumed"
+"""The reader released the blocks before the deadline. Whether it read them or decided
+to recompute is on the reader's ``kv_request`` span (``otelkv.pull.reason``): NIXL sends
+the same notification for both."""
+RETENTION_EXPIRED: Final = "expired"
+"""The deadline passed without a reader; the engine freed the blocks unread."""
+RETENTION_DROPPED: Final = "dropped"
+"""The engine stopped tracking the blocks for another reason (shutdown, reset)."""
+RETENTION_OUTCOMES: Final = (RETENTION_CONSUMED, RETENTION_EXPIRED, RETENTION_DROPPED)
+
+OUTCOME_FINISHED: Final = "finished"
+OUTCOME_ABORTED: Final = "aborted"
+OUTCOME_FAILED_KV_LOAD: Final = "failed_kv_load"
+OUTCOME_STUCK_WAITING_FOR_REMOTE_KV: Final = "stuck_waiting_for_remote_kv"
+OUTCOME_ERROR: Final = "error"
+REQUEST_OUTCOMES: Final = (
+    OUTCOME_FINISHED,
+    OUTCOME_ABORTED,
+    OUTCOME_FAILED_KV_LOAD,
+    OUTCOME_STUCK_WAITING_FOR_REMOTE_KV,
+    OUTCOME_ERROR,
+)
+
+TOKEN_SOURCE_COMPUTED: Final = "computed"
+TOKEN_SOURCE_LOCAL_CACHE: Final = "local_cache"
+TOKEN_SOURCE_PULLED: Final = "pulled"
+TOKEN_SOURCES: Final = (TOKEN_SOURCE_COMPUTED, TOKEN_SOURCE_LOCAL_CACHE, TOKEN_SOURCE_PULLED)
+
+ROUTER_HANDLE_HIT: Final = "hit"
+ROUTER_HANDLE_MISS: Final = "miss"
+ROUTER_HANDLE_STALE: Final = "stale"
+ROUTER_HANDLE_NO_CONVERSATION: Final = "no_conversation_id"
+ROUTER_HANDLE_STATES: Final = (
+    ROUTER_HANDLE_HIT,
+    ROUTER_HANDLE_MISS,
+    ROUTER_HANDLE_STALE,
+    ROUTER_HANDLE_NO_CONVERSATION,
+)
+
+# --------------------------------------------------------------------------------------
+# Engine metrics (exported through vLLM's own /metrics, beside vllm:nixl_*).
+# vLLM adds its ``model_name`` and ``engine`` labels to every one of them.
+# --------------------------------------------------------------------------------------
+
+METRIC_PULL_DECISIONS: Final = "otelkv_pull_decisions"
+"""Counter, labels decision, reason: one per prefill request that carried a handle or
+could have (P role), by the final reason."""
+METRIC_PREFILL_TOKENS: Final = "otelkv_prefill_tokens"
+"""Counter, labels role, source: prompt tokens by where their KV came from."""
+METRIC_TRANSFERS: Final = "otelkv_kv_transfers"
+"""Counter, labels direction, backend, outcome."""
+METRIC_TRANSFER_BYTES: Final = "otelkv_kv_transfer_bytes"
+"""Counter (bytes), labels direction, backend: bytes read over NIXL by this engine."""
+METRIC_TRANSFER_SECONDS: Final = "otelkv_kv_transfer_seconds"
+"""Histogram, labels direction, backend: NIXL-measured duration of successful reads."""
+METRIC_RETENTIONS: Final = "otelkv_kv_retentions"
+"""Counter, labels kind, outcome: retentions that ended."""
+METRIC_RETENTION_BLOCK_SECONDS: Final = "otelkv_kv_retention_block_seconds"
+"""Counter, label kind: blocks times seconds held by retentions that ended (memory cost)."""
+METRIC_RETAINED_BLOCKS: Final = "otelkv_kv_retained_blocks"
+"""Gauge, label kind: blocks held right now for another engine to read."""
+METRIC_RETAINED_BYTES: Final = "otelkv_kv_retained_bytes"
+"""Gauge, label kind: bytes held right now for another engine to read."""
+METRIC_REQUESTS: Final = "otelkv_requests"
+"""Counter, labels role, outcome: requests that ended on this engine."""
+METRIC_INSTRUMENTATION_ERRORS: Final = "otelkv_instrumentation_errors"
+"""Counter, label site: exceptions otelkv caught inside its own code (fail-open)."""
+
+TRANSFER_SECONDS_BUCKETS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+"""Buckets for transfer durations: vLLM's NIXL buckets with more resolution below 10 ms
+(CPU/UCX transfers of small models land there)."""
+
+# --------------------------------------------------------------------------------------
+# Configuration keys (kv_connector_extra_config) and environment variables
+# --------------------------------------------------------------------------------------
+
+CONFIG_PREFIX: Final = "otelkv_"
+CONFIG_ENABLED: Final = "otelkv_enabled"
+CONFIG_INNER_CONNECTOR: Final = "otelkv_inner_connector"
+CONFIG_INNER_MODULE_PATH: Final = "otelkv_inner_module_path"
+CONFIG_STUCK_AFTER_SECONDS: Final = "otelkv_stuck_after_s"
+CONFIG_TRACES: Final = "otelkv_traces"
+
+ENV_ENABLED: Final = "OTELKV_ENABLED"
+ENV_STUCK_AFTER_SECONDS: Final = "OTELKV_STUCK_AFTER_S"
+ENV_TRACES: Final = "OTELKV_TRACES"
+ENV_FAULT_INJECT: Final = "OTELKV_FAULT_INJECT"
+"""Comma-separated observer sites (or ``all``) at which otelkv raises on purpose. For
+fail-open tests and drills only: serving must go on unchanged while it is set."""
