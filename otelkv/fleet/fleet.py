@@ -1,0 +1,209 @@
+"""The reference fleet: a real 1P1D vLLM pair, the router, an OTLP span sink and a driver.
+
+    with Fleet(FleetConfig(decoder_ttl_s=12)) as fleet:
+        results = fleet.driver().run_sync([conversation])
+        spans = fleet.sink.spans()
+
+Everything it starts (two engine process groups, the router thread, the span sink) is
+stopped on exit, also when start-up fails half-way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+
+from otelkv import __version__, names
+from otelkv.fleet.agent import AgentDriver
+from otelkv.fleet.engines import Engine, EngineSpec
+from otelkv.fleet.model import build_tiny_llama
+from otelkv.fleet.router import PDRouter
+from otelkv.fleet.span_sink import SpanSink
+
+logger = logging.getLogger("otelkv.fleet")
+
+DEFAULT_MODEL_DIR = Path(os.environ.get("OTELKV_MODEL_DIR", Path.home() / ".cache" / "otelkv" / "tiny-llama"))
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Knobs of the reference fleet (engine settings apply to both nodes unless split)."""
+
+    instrumented: bool = True
+    """otelkv's NixlConnector (True) or vLLM's plain one (False)."""
+    bidirectional: bool = True
+    bidirectional_prefill: bool | None = None
+    """Override ``bidirectional`` on the prefill node only (to test a one-sided setup)."""
+    bidirectional_decode: bool | None = None
+    decoder_ttl_s: float = 480.0
+    recompute_threshold: int = 64
+    load_failure_policy: str = "fail"
+    prefix_caching_prefill: bool = True
+    router_handle_ttl_s: float | None = -1.0
+    """Router's handle lifetime; -1 means the safe default (decode TTL minus 6 s: the
+    prefill node declines reads within 5 s of the deadline). None: never expire, like a
+    router whose TTL is longer than the decode node's."""
+    stream_decode: bool = False
+    stuck_after_s: float = 60.0
+    max_model_len: int = 2048
+    model_dir: Path = DEFAULT_MODEL_DIR
+    workdir: Path | None = None
+    collect_spans: bool = True
+    trace_router: bool = True
+    engine_env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 420.0
+    router_port: int = 0
+
+    def effective_router_ttl(self) -> float | None:
+        if self.router_handle_ttl_s is None:
+            return None
+        if self.router_handle_ttl_s >= 0:
+            return self.router_handle_ttl_s
+        return max(self.decoder_ttl_s - 6.0, 1.0)
+
+
+class Fleet:
+    """Starts and owns every process and thread of the reference fleet."""
+
+    def __init__(self, config: FleetConfig | None = None) -> None:
+        self.config = config or FleetConfig()
+        self.workdir = Path(self.config.workdir or tempfile.mkdtemp(prefix="otelkv-fleet-"))
+        self.sink: SpanSink | None = None
+        self.prefill: Engine | None = None
+        self.decode: Engine | None = None
+        self.router: PDRouter | None = None
+        self._provider: Any = None
+        self.tracer: trace.Tracer | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Fleet:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        cfg = self.config
+        model_dir = build_tiny_llama(cfg.model_dir)
+        if cfg.collect_spans:
+            self.sink = SpanSink().start()
+            self._provider, self.tracer = _fleet_tracer(self.sink.endpoint)
+        endpoint = self.sink.endpoint if self.sink else None
+        common = {
+            "model_dir": model_dir,
+            "instrumented": cfg.instrumented,
+            "decoder_ttl_s": cfg.decoder_ttl_s,
+            "recompute_threshold": cfg.recompute_threshold,
+            "load_failure_policy": cfg.load_failure_policy,
+            "max_model_len": cfg.max_model_len,
+            "otlp_traces_endpoint": endpoint,
+            "otelkv_extra": {names.CONFIG_STUCK_AFTER_SECONDS: cfg.stuck_after_s} if cfg.instrumented else {},
+            "env": dict(cfg.engine_env),
+        }
+        bidir_p = cfg.bidirectional if cfg.bidirectional_prefill is None else cfg.bidirectional_prefill
+        bidir_d = cfg.bidirectional if cfg.bidirectional_decode is None else cfg.bidirectional_decode
+        cores = os.cpu_count() or 1
+        self.prefill = Engine(
+            EngineSpec(
+                role=names.ROLE_PREFILL,
+                engine_id="prefill-0",
+                bidirectional=bidir_p,
+                prefix_caching=cfg.prefix_caching_prefill,
+                cpu_core=0,
+                **common,
+            ),
+            self.workdir / "prefill.log",
+        )
+        self.decode = Engine(
+            EngineSpec(
+                role=names.ROLE_DECODE,
+                engine_id="decode-0",
+                bidirectional=bidir_d,
+                cpu_core=1 % cores,
+                **common,
+            ),
+            self.workdir / "decode.log",
+        )
+        started = time.monotonic()
+        self.prefill.start()
+        self.decode.start()
+        with ThreadPoolExecutor(2) as pool:
+            for future in [
+                pool.submit(e.wait_ready, cfg.start_timeout_s) for e in (self.prefill, self.decode)
+            ]:
+                future.result()
+        logger.info("fleet engines ready in %.0fs (logs in %s)", time.monotonic() - started, self.workdir)
+        self.router = PDRouter(
+            self.prefill.url,
+            self.decode.url,
+            handle_ttl_s=cfg.effective_router_ttl(),
+            stream_decode=cfg.stream_decode,
+            tracer=self.tracer if cfg.trace_router else None,
+        ).start(cfg.router_port)
+
+    def stop(self) -> None:
+        for closer in (
+            self.router.stop if self.router else None,
+            self.prefill.stop if self.prefill else None,
+            self.decode.stop if self.decode else None,
+            self._provider.shutdown if self._provider else None,
+            self.sink.close if self.sink else None,
+        ):
+            if closer is None:
+                continue
+            try:
+                closer()
+            except Exception:
+                logger.exception("fleet: error while stopping")
+        self.router = None
+        self.prefill = self.decode = None
+        self.sink = None
+        self._provider = None
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ use
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None, "fleet not started"
+        return self.router.url
+
+    def driver(self, *, traced: bool = True, **kwargs: Any) -> AgentDriver:
+        return AgentDriver(self.url, "tiny-llama", tracer=self.tracer if traced else None, **kwargs)
+
+    def flush_spans(self) -> None:
+        if self._provider is not None:
+            self._provider.force_flush()
+
+    def with_config(self, **changes: Any) -> FleetConfig:
+        return replace(self.config, **changes)
+
+
+def _fleet_tracer(endpoint: str) -> tuple[Any, trace.Tracer]:
+    """A private tracer provider for the router and driver, exporting to the sink."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "otelkv-fleet"}))
+    provider.add_span_processor(
+        BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=200)
+    )
+    return provider, provider.get_tracer(names.SCOPE_FLEET, __version__)
