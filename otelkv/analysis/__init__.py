@@ -1,0 +1,1 @@
+"""Analysis of recorded spans: turn reconstruction (and, later, diagnoses and what-if)."""

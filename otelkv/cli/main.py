@@ -1,0 +1,60 @@
+"""``otelkv`` command line. Each subcommand lives in its own module and is imported lazily,
+so ``otelkv --help`` works without the heavy extras installed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="otelkv",
+        description="Observability for multi-turn agent traffic on disaggregated vLLM fleets.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="start the reference fleet, run an agent workload, show what the spans recorded",
+        description="Starts a real prefill/decode vLLM pair (CPU build) with the instrumented "
+        "NixlConnector, drives agent conversations with short and long tool waits, and prints "
+        "per-turn prefill decisions, KV transfers and retention from the engines' spans.",
+    )
+    demo.add_argument("--ttl", type=float, default=15.0, help="decoder_kv_blocks_ttl in seconds (default 15)")
+    demo.add_argument(
+        "--long-pause", type=float, default=18.0, help="tool wait longer than the TTL (default 18)"
+    )
+    demo.add_argument("--workdir", help="where logs and spans.jsonl go (default: a new temp dir)")
+    demo.add_argument("--json", action="store_true", help="print the turn summaries as JSON")
+
+    fleet = sub.add_parser(
+        "fleet",
+        help="run the reference fleet until interrupted (for exploring by hand)",
+        description="Starts the reference fleet and prints its router URL and span file.",
+    )
+    fleet.add_argument("--ttl", type=float, default=480.0, help="decoder_kv_blocks_ttl in seconds")
+    fleet.add_argument("--threshold", type=int, default=64, help="kv_recompute_threshold in tokens")
+    fleet.add_argument("--no-bidirectional", action="store_true", help="turn bidirectional_kv_xfer off")
+    fleet.add_argument("--plain", action="store_true", help="vLLM's NixlConnector without otelkv")
+    fleet.add_argument("--workdir", help="where logs go (default: a new temp dir)")
+    fleet.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from otelkv.cli.demo import run_demo
+
+        return run_demo(args)
+    if args.command == "fleet":
+        from otelkv.cli.fleet_cmd import run_fleet
+
+        return run_fleet(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
