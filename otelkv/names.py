@@ -77,8 +77,6 @@ GEN_AI_CONVERSATION_ID: Final = "gen_ai.conversation.id"
 GEN_AI_REQUEST_MODEL: Final = "gen_ai.request.model"
 GEN_AI_OPERATION_NAME: Final = "gen_ai.operation.name"
 GEN_AI_PROVIDER_NAME: Final = "gen_ai.provider.name"
-GEN_AI_RESPONSE_ID: Final = "gen_ai.response.id"
-GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
 GEN_AI_USAGE_INPUT_TOKENS: Final = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS: Final = "gen_ai.usage.output_tokens"
 GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
@@ -114,7 +112,6 @@ KV_RECOMPUTE_THRESHOLD: Final = "otelkv.kv_recompute_threshold"
 DECODER_KV_BLOCKS_TTL: Final = "otelkv.decoder_kv_blocks_ttl"
 BIDIRECTIONAL_KV_XFER: Final = "otelkv.bidirectional_kv_xfer"
 KV_LOAD_FAILURE_POLICY: Final = "otelkv.kv_load_failure_policy"
-KV_LEASE_DURATION: Final = "otelkv.kv_lease_duration"
 
 # --------------------------------------------------------------------------------------
 # otelkv attribute keys: tokens of one request

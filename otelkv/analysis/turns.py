@@ -121,8 +121,9 @@ def summarize_turns(spans: Iterable[SpanRecord]) -> list[TurnSummary]:
                     turn.decode = leg
                 if not turn.conversation_id:
                     turn.conversation_id = str(a.get(names.GEN_AI_CONVERSATION_ID, ""))
-                if not turn.start_ns or span.start_ns < turn.start_ns:
-                    turn.start_ns = turn.start_ns or span.start_ns
+                # The agent's chat span fixes the start; without one, the earliest request.
+                if turn.turn_index is None and (not turn.start_ns or span.start_ns < turn.start_ns):
+                    turn.start_ns = span.start_ns
         if relevant:
             out.append(turn)
     out.sort(key=lambda t: (t.start_ns, t.turn_index or 0))

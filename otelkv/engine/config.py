@@ -57,6 +57,14 @@ def _as_float(key: str, value: Any) -> float:
     return result
 
 
+def _number(extra: dict[str, Any], key: str, default: float, kind: type[int] | type[float]) -> Any:
+    value = extra.get(key, default)
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}={value!r}: expected a number") from None
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """Everything the instrumented connector needs to know about its engine."""
@@ -115,6 +123,8 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
     backends = extra.get("backends") or NIXL_DEFAULT_BACKENDS
     if isinstance(backends, str):
         backends = (backends,)
+    if not isinstance(backends, (list, tuple)):
+        raise ConfigError(f"backends={backends!r}: expected a list of NIXL backend names")
     model_config = getattr(vllm_config, "model_config", None)
     model = ""
     if model_config is not None:
@@ -132,10 +142,12 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
         engine_id=str(getattr(ktc, "engine_id", "") or ""),
         kv_role=str(getattr(ktc, "kv_role", "") or ""),
         model=model,
-        bidirectional=_as_bool("bidirectional_kv_xfer", extra.get("bidirectional_kv_xfer", False)),
-        recompute_threshold=int(extra.get("kv_recompute_threshold", NIXL_DEFAULT_RECOMPUTE_THRESHOLD)),
-        decoder_ttl_s=float(extra.get("decoder_kv_blocks_ttl", NIXL_DEFAULT_DECODER_TTL_S)),
-        lease_s=float(extra.get("kv_lease_duration", NIXL_DEFAULT_LEASE_S)),
+        # vLLM tests the raw value's truthiness (a string "false" means on): so do we, so
+        # spans state what is really in force.
+        bidirectional=bool(extra.get("bidirectional_kv_xfer", False)),
+        recompute_threshold=_number(extra, "kv_recompute_threshold", NIXL_DEFAULT_RECOMPUTE_THRESHOLD, int),
+        decoder_ttl_s=_number(extra, "decoder_kv_blocks_ttl", NIXL_DEFAULT_DECODER_TTL_S, float),
+        lease_s=_number(extra, "kv_lease_duration", NIXL_DEFAULT_LEASE_S, float),
         load_failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail") or "fail"),
         backends=tuple(str(b) for b in backends),
         vllm_traces_endpoint=getattr(observability, "otlp_traces_endpoint", None),

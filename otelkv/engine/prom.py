@@ -9,12 +9,15 @@ set (``model_name``, ``engine``) so multiprocess mode and label conventions matc
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from otelkv import names
 from otelkv.engine.messages import split_series_key
+
+logger = logging.getLogger("vllm.otelkv")
 
 # metric -> (kind, documentation, extra label names)
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -91,6 +94,7 @@ class OtelKVPromMetrics(KVConnectorPromMetrics):
         self.inner = inner
         self._metrics: dict[str, Any] = {}
         self._children: dict[tuple[str, int, tuple[str, ...]], Any] = {}
+        self._warned = False
         for name, (kind, doc, extra) in METRICS.items():
             labels = [*labelnames, *extra]
             if kind == "counter":
@@ -129,24 +133,23 @@ class OtelKVPromMetrics(KVConnectorPromMetrics):
         self._observe_otelkv(transfer_stats_data["otelkv"], engine_idx)
 
     def _observe_otelkv(self, payload: dict[str, dict[str, Any]], engine_idx: int) -> None:
-        try:
-            for key, value in payload.get("c", {}).items():
+        for kind in ("c", "h", "g"):
+            for key, value in payload.get(kind, {}).items():
                 name, labels = split_series_key(key)
-                if name in self._metrics:
-                    self._child(name, engine_idx, labels).inc(value)
-            for key, values in payload.get("h", {}).items():
-                name, labels = split_series_key(key)
-                if name in self._metrics:
+                if name not in self._metrics:
+                    continue  # a newer engine-side otelkv than this API server knows
+                try:
                     child = self._child(name, engine_idx, labels)
-                    for value in values:
-                        child.observe(value)
-            for key, value in payload.get("g", {}).items():
-                name, labels = split_series_key(key)
-                if name in self._metrics:
-                    self._child(name, engine_idx, labels).set(value)
-        except Exception:
-            import logging
-
-            logging.getLogger("vllm.otelkv").warning(
-                "otelkv: could not record metrics payload", exc_info=True
-            )
+                    if kind == "c":
+                        child.inc(value)
+                    elif kind == "g":
+                        child.set(value)
+                    else:
+                        for observation in value:
+                            child.observe(observation)
+                except Exception:  # metrics must never break vLLM's stat loop
+                    if not self._warned:
+                        self._warned = True
+                        logger.warning(
+                            "otelkv: could not record a metrics payload (logged once)", exc_info=True
+                        )

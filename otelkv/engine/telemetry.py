@@ -31,6 +31,7 @@ logger = logging.getLogger("vllm.otelkv")
 
 _lock = threading.Lock()
 _tracers: dict[tuple[str, str, str], trace.Tracer] = {}
+_providers: list[Any] = []
 
 
 def traces_endpoint(environ: dict[str, str] | None = None) -> str | None:
@@ -105,6 +106,7 @@ def _build_tracer(process_kind: str, engine_id: str, role: str, vllm_endpoint: s
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(_exporter(protocol)))
     atexit.register(provider.shutdown)
+    _providers.append(provider)
     logger.info(
         "otelkv: exporting %s spans of engine %s over OTLP %s to %s",
         process_kind,
@@ -115,7 +117,19 @@ def _build_tracer(process_kind: str, engine_id: str, role: str, vllm_endpoint: s
     return provider.get_tracer(names.SCOPE_ENGINE, __version__)
 
 
+def force_flush(timeout_ms: int = 5000) -> None:
+    """Export what is queued now (engine shutdown does this too, through atexit)."""
+    with _lock:
+        providers = list(_providers)
+    for provider in providers:
+        provider.force_flush(timeout_ms)
+
+
 def reset_for_tests() -> None:
     """Forget cached tracers (unit tests build several connectors in one process)."""
     with _lock:
+        providers = list(_providers)
         _tracers.clear()
+        _providers.clear()
+    for provider in providers:
+        provider.shutdown()

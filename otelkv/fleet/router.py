@@ -32,7 +32,7 @@ import json
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,8 @@ class RouterStats:
     handles_stored: int = 0
     prefill_errors: int = 0
     decode_errors: int = 0
-    prefill_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    """Wall time of each prefill leg (the benchmark's TTFT), most recent last."""
 
 
 class HandleCache:

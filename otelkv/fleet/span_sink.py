@@ -38,11 +38,14 @@ class SpanSink:
                 return
 
             def _reply(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the exporter gave up waiting; its spans were already kept
 
             def do_POST(self) -> None:
                 if self.path.rstrip("/") != "/v1/traces":

@@ -11,7 +11,8 @@ integers or names, 64-bit integers may be strings.
 
 from __future__ import annotations
 
-import gzip
+import base64
+import binascii
 import json
 import zlib
 from dataclasses import dataclass, field
@@ -64,21 +65,28 @@ class SpanRecord:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-def decompress(body: bytes, encoding: str | None) -> bytes:
+def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+    """Inflate a gzip/deflate body, refusing to produce more than ``limit`` bytes.
+
+    Inflation stops at the limit, so a zip bomb costs at most ``limit`` bytes of memory.
+    """
     encoding = (encoding or "").strip().lower()
     if encoding in ("", "identity"):
         return body
+    if encoding == "gzip":
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    elif encoding == "deflate":
+        inflater = zlib.decompressobj()
+    else:
+        raise OtlpDecodeError(f"unsupported Content-Encoding {encoding!r} (use gzip, deflate or none)")
     try:
-        if encoding == "gzip":
-            out = gzip.decompress(body)
-        elif encoding == "deflate":
-            out = zlib.decompress(body)
-        else:
-            raise OtlpDecodeError(f"unsupported Content-Encoding {encoding!r} (use gzip or none)")
-    except (OSError, zlib.error, EOFError) as exc:
+        out = inflater.decompress(body, limit + 1)
+        if len(out) > limit:
+            raise OtlpDecodeError(f"decompressed body larger than {limit} bytes")
+        if not inflater.eof:
+            raise OtlpDecodeError(f"body is not valid {encoding}: truncated stream")
+    except zlib.error as exc:
         raise OtlpDecodeError(f"body is not valid {encoding}: {exc}") from None
-    if len(out) > MAX_DECOMPRESSED_BYTES:
-        raise OtlpDecodeError("decompressed body too large")
     return out
 
 
@@ -163,7 +171,11 @@ def _json_any(value: Any) -> Any:
     if key == "doubleValue":
         return float(inner)
     if key == "bytesValue":
-        return str(inner)
+        # Protobuf JSON carries bytes as base64; report them as hex like the protobuf path.
+        try:
+            return base64.b64decode(str(inner), validate=True).hex()
+        except (binascii.Error, ValueError):
+            raise OtlpDecodeError("bytesValue must be base64") from None
     if key == "arrayValue":
         return [_json_any(v) for v in (inner or {}).get("values", [])]
     if key == "kvlistValue":
@@ -200,14 +212,14 @@ def _enum(value: Any, by_name: dict[str, int]) -> int:
         return by_name.get(value, 0)
     try:
         return int(value or 0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0
 
 
 def decode_json(body: bytes) -> list[SpanRecord]:
     try:
         doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise OtlpDecodeError(f"body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("resourceSpans", []), list):
         raise OtlpDecodeError("expected an object with a resourceSpans list")
@@ -253,7 +265,7 @@ def decode_json(body: bytes) -> list[SpanRecord]:
                             ],
                         )
                     )
-    except (AttributeError, TypeError, ValueError) as exc:
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:
         if isinstance(exc, OtlpDecodeError):
             raise
         raise OtlpDecodeError(f"malformed OTLP JSON: {exc}") from None
