@@ -1,0 +1,293 @@
+"""Bidirectional KV transfer on a real 1P1D fleet: pulls, TTL lapse, threshold, metrics.
+
+One fleet (decoder_kv_blocks_ttl=12 s, kv_recompute_threshold=64, default failure policy
+"fail") runs one concurrent workload; each test reads what the engines recorded for
+its own conversation. The router forwards handles of any age (like a router whose TTL
+is not below the decode TTL), so a lapsed handle reaches the prefill node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+from otelkv import names
+from otelkv.fleet import metrics as prom
+from otelkv.fleet.agent import Conversation, Turn, TurnResult
+from otelkv.fleet.fleet import Fleet, FleetConfig
+from tests.fleet.conftest import fleet_fixture
+from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
+
+pytestmark = pytest.mark.fleet
+
+TTL_S = 12.0
+THRESHOLD = 64
+
+PULLS = Conversation(
+    "conv-pulls",
+    [
+        Turn("what is the weather in paris today", 80),
+        Turn("and tomorrow in london please", 80, pause_s=0.5),
+        Turn("paris sunny london rain", 80, pause_s=0.5, tool="weather"),
+        Turn("summarize the forecast", 48, pause_s=0.5),
+    ],
+)
+LAPSE = Conversation(
+    "conv-lapse",
+    [
+        Turn("plan the deploy of the new build", 80),
+        Turn("status ok done", 32, pause_s=TTL_S + 2.5, tool="deploy"),
+    ],
+)
+SHORT = Conversation(
+    "conv-short",
+    [Turn("yes or no", 8), Turn("why", 8, pause_s=0.5), Turn("ok", 8, pause_s=0.5)],
+)
+ANONYMOUS = Conversation(
+    "conv-anonymous",
+    [Turn("list the files", 48), Turn("open the first one", 48, pause_s=0.5)],
+    send_conversation_id=False,
+    stream=True,
+)
+
+
+@pytest.fixture(scope="module")
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    config = FleetConfig(decoder_ttl_s=TTL_S, recompute_threshold=THRESHOLD, router_handle_ttl_s=None)
+    yield from fleet_fixture(config, request)
+
+
+@pytest.fixture(scope="module")
+def results(fleet: Fleet) -> dict[str, list[TurnResult]]:
+    runs = fleet.driver().run_sync([PULLS, LAPSE, SHORT, ANONYMOUS])
+    return {conv.conversation_id: run for conv, run in zip([PULLS, LAPSE, SHORT, ANONYMOUS], runs, strict=True)}
+
+
+def test_every_turn_after_the_first_pulls_from_decode(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    turns = results["conv-pulls"]
+    assert [t.status for t in turns] == [200, 200, 200, 200], [t.error for t in turns]
+    assert fleet.sink is not None
+    previous_decode_id = None
+    for turn in turns:
+        spans = wait_for_turn(fleet.sink, turn.trace_id)
+        assert all(s.trace_id == turn.trace_id for s in spans)
+        prefill = engine_request(spans, names.ROLE_PREFILL)
+        decode = engine_request(spans, names.ROLE_DECODE)
+        p, d = prefill.attributes, decode.attributes
+
+        # P and D spans of one request join by base request id (and vLLM's own id key).
+        assert p[names.BASE_REQUEST_ID] == d[names.BASE_REQUEST_ID]
+        assert p[names.GEN_AI_REQUEST_ID] == p[names.BASE_REQUEST_ID]
+        assert p[names.GEN_AI_CONVERSATION_ID] == d[names.GEN_AI_CONVERSATION_ID] == "conv-pulls"
+        assert p[names.ENGINE_ID] == "prefill-0" and d[names.ENGINE_ID] == "decode-0"
+        # The engine spans hang under the router's legs, which hang under the agent's turn.
+        legs = {s.span_id: s.name for s in spans if s.name.startswith("router_leg")}
+        assert legs[prefill.parent_span_id] == "router_leg prefill"
+        assert legs[decode.parent_span_id] == "router_leg decode"
+        assert (
+            p[names.TOKENS_LOCAL_CACHE_HIT] + p[names.TOKENS_PULLED] + p[names.TOKENS_COMPUTED]
+            == (p[names.GEN_AI_USAGE_INPUT_TOKENS])
+        )
+        assert p[names.REQUEST_OUTCOME] == d[names.REQUEST_OUTCOME] == names.OUTCOME_FINISHED
+
+        # Decode always reads the prompt's KV from prefill (P->D).
+        (d_read,) = children(spans, decode, "kv_transfer")
+        assert d_read.name == "kv_transfer P->D"
+        assert d_read.attributes[names.TRANSFER_BYTES] > 0
+        assert d_read.attributes[names.TRANSFER_OUTCOME] == names.TRANSFER_OK
+        assert d_read.attributes[names.TRANSFER_BACKEND] == "UCX"
+
+        if turn.index == 0:
+            assert p[names.PULL_REASON] == names.REASON_NO_DECODE_HANDLE
+            assert children(spans, prefill, "kv_transfer") == []
+        else:
+            assert (p[names.PULL_DECISION], p[names.PULL_REASON]) == (
+                names.DECISION_PULL,
+                names.REASON_PULLED,
+            )
+            assert p[names.TOKENS_PULLED] > 0
+            assert p[names.TOKENS_REMOTE_REUSABLE] >= THRESHOLD
+            assert p[names.KV_RECOMPUTE_THRESHOLD] == THRESHOLD
+            (p_read,) = children(spans, prefill, "kv_transfer")
+            assert p_read.name == "kv_transfer D->P"
+            assert p_read.attributes[names.TRANSFER_BYTES] > 0
+            assert p_read.attributes[names.TRANSFER_DESCRIPTORS] > 0
+            assert p_read.attributes[names.TRANSFER_XFER_SECONDS] > 0
+            # The prefill node read exactly the request the decode node kept last turn.
+            assert p[names.REMOTE_ENGINE_ID] == "decode-0"
+            assert p[names.REMOTE_REQUEST_ID] == previous_decode_id
+        previous_decode_id = d[names.REQUEST_ID]
+
+
+def test_retention_of_a_read_turn_ends_consumed(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
+    assert fleet.sink is not None
+    first = results["conv-pulls"][0]
+    spans = wait_for_turn(fleet.sink, first.trace_id)
+    decode = engine_request(spans, names.ROLE_DECODE)
+    spans = in_trace(
+        fleet.sink.wait_for(lambda all_: bool(children(all_, decode, "kv_retention"))), first.trace_id
+    )
+    (retention,) = children(spans, decode, "kv_retention")
+    a = retention.attributes
+    assert retention.name == "kv_retention decode_ttl"
+    assert a[names.RETENTION_OUTCOME] == names.RETENTION_CONSUMED
+    assert a[names.RETENTION_BLOCKS] > 0
+    assert (
+        a[names.RETENTION_BYTES] == a[names.RETENTION_BLOCKS] * 65536
+    )  # 2 layers x K,V x 32 x 2 x 64 x fp32
+    assert 0 < a[names.RETENTION_HELD_SECONDS] < TTL_S - 5
+    assert abs(a[names.RETENTION_TTL_SECONDS] - TTL_S) < 1.0
+
+
+def test_pause_longer_than_ttl_expires_the_retention_and_fails_the_next_turn(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    first, second = results["conv-lapse"]
+    assert first.status == 200
+    assert second.status == 500  # kv_load_failure_policy="fail": vLLM fails the request
+    assert fleet.sink is not None
+
+    # Turn 0: decode kept the blocks for the TTL, nobody read them.
+    spans = wait_for_turn(fleet.sink, first.trace_id)
+    decode = engine_request(spans, names.ROLE_DECODE)
+    spans = in_trace(
+        fleet.sink.wait_for(lambda all_: bool(children(all_, decode, "kv_retention"))), first.trace_id
+    )
+    (retention,) = children(spans, decode, "kv_retention")
+    assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_EXPIRED
+    assert TTL_S - 0.5 <= retention.attributes[names.RETENTION_HELD_SECONDS] <= TTL_S + 3.0
+
+    # Turn 1: the router still had the handle; prefill declined the read and vLLM failed it.
+    spans = wait_for_turn(fleet.sink, second.trace_id, decode=False)
+    router = next(s for s in spans if s.name.startswith("router chat"))
+    assert router.attributes[names.ROUTER_HANDLE] == names.ROUTER_HANDLE_HIT
+    assert router.attributes[names.ROUTER_HANDLE_AGE_SECONDS] > TTL_S
+    prefill = engine_request(spans, names.ROLE_PREFILL)
+    p = prefill.attributes
+    assert (p[names.PULL_DECISION], p[names.PULL_REASON]) == (
+        names.DECISION_PULL,
+        names.REASON_DECLINED_EXPIRED,
+    )
+    assert p[names.REQUEST_OUTCOME] == names.OUTCOME_FAILED_KV_LOAD
+    assert p[names.REQUEST_STATUS] == "FINISHED_ERROR"
+    assert p[names.TOKENS_PULLED] == 0
+    assert prefill.status_code == "Error"
+    assert (
+        "declined_expired" in prefill.status_message
+        and "kv_load_failure_policy=fail" in prefill.status_message
+    )
+    (read,) = children(spans, prefill, "kv_transfer")
+    assert read.attributes[names.TRANSFER_OUTCOME] == names.TRANSFER_DECLINED_EXPIRED
+    assert read.status_code == "Error"
+    agent = next(s for s in spans if s.name.startswith("chat "))
+    assert agent.status_code == "Error"
+
+
+def test_fewer_reusable_tokens_than_the_threshold_recompute(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    turns = results["conv-short"]
+    assert [t.status for t in turns] == [200, 200, 200]
+    assert fleet.sink is not None
+    for turn in turns[1:]:
+        spans = wait_for_turn(fleet.sink, turn.trace_id)
+        prefill = engine_request(spans, names.ROLE_PREFILL)
+        p = prefill.attributes
+        assert (p[names.PULL_DECISION], p[names.PULL_REASON]) == (
+            names.DECISION_RECOMPUTE,
+            names.REASON_BELOW_THRESHOLD,
+        )
+        assert 0 < p[names.TOKENS_REMOTE_REUSABLE] < THRESHOLD
+        assert p[names.TOKENS_PULLED] == 0
+        assert children(spans, prefill, "kv_transfer") == []
+    # The skipped pull still releases decode's blocks at once (prefill notifies decode).
+    spans = wait_for_turn(fleet.sink, turns[0].trace_id)
+    decode = engine_request(spans, names.ROLE_DECODE)
+    spans = in_trace(
+        fleet.sink.wait_for(lambda all_: bool(children(all_, decode, "kv_retention"))), turns[0].trace_id
+    )
+    (retention,) = children(spans, decode, "kv_retention")
+    assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_CONSUMED
+
+
+def test_without_conversation_id_nothing_is_reused(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    turns = results["conv-anonymous"]
+    assert [t.status for t in turns] == [200, 200]
+    assert all(t.ttft_s is not None and t.text for t in turns)  # streamed to the client as SSE
+    assert fleet.sink is not None
+    for turn in turns:
+        spans = wait_for_turn(fleet.sink, turn.trace_id)
+        router = next(s for s in spans if s.name.startswith("router chat"))
+        assert router.attributes[names.ROUTER_HANDLE] == names.ROUTER_HANDLE_NO_CONVERSATION
+        prefill = engine_request(spans, names.ROLE_PREFILL)
+        assert prefill.attributes[names.PULL_REASON] == names.REASON_NO_DECODE_HANDLE
+        assert names.GEN_AI_CONVERSATION_ID not in prefill.attributes
+
+
+def test_metrics_in_vllm_endpoint_agree_with_spans(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    assert fleet.sink is not None and fleet.prefill is not None and fleet.decode is not None
+    # Let every retention end (TTL) and every span arrive before comparing totals.
+    time.sleep(TTL_S + 2.0)
+    spans = fleet.sink.spans()
+    p_text, d_text = fleet.prefill.metrics_text(), fleet.decode.metrics_text()
+
+    p_requests = [s for s in spans if s.name == "kv_request prefill"]
+    d_requests = [s for s in spans if s.name == "kv_request decode"]
+    expected_decisions = Counter(
+        (s.attributes[names.PULL_DECISION], s.attributes[names.PULL_REASON]) for s in p_requests
+    )
+    got_decisions = Counter(
+        {
+            (labels["decision"], labels["reason"]): int(value)
+            for name, labels, value in prom.parse_samples(p_text)
+            if name == "otelkv_pull_decisions_total"
+        }
+    )
+    assert got_decisions == expected_decisions
+    assert expected_decisions[(names.DECISION_PULL, names.REASON_PULLED)] >= 3
+
+    def transfer_bytes(role_spans_name: str) -> int:
+        return sum(int(s.attributes.get(names.TRANSFER_BYTES, 0)) for s in spans if s.name == role_spans_name)
+
+    p_bytes = prom.total(p_text, "otelkv_kv_transfer_bytes_total", {"direction": "D->P", "backend": "UCX"})
+    d_bytes = prom.total(d_text, "otelkv_kv_transfer_bytes_total", {"direction": "P->D", "backend": "UCX"})
+    assert p_bytes == transfer_bytes("kv_transfer D->P") > 0
+    assert d_bytes == transfer_bytes("kv_transfer P->D") > 0
+    # vLLM's own NIXL metrics are intact and count the same bytes.
+    assert prom.total(p_text, "vllm:nixl_bytes_transferred_sum") == p_bytes
+    assert prom.total(d_text, "vllm:nixl_bytes_transferred_sum") == d_bytes
+
+    retentions = [s for s in spans if s.name == "kv_retention decode_ttl"]
+    assert len(retentions) == len(d_requests)
+    expected_ret = Counter(s.attributes[names.RETENTION_OUTCOME] for s in retentions)
+    got_ret = prom.by_label(d_text, "otelkv_kv_retentions_total", "outcome")
+    assert {k: int(v) for k, v in got_ret.items()} == dict(expected_ret)
+    assert expected_ret[names.RETENTION_EXPIRED] >= 1 and expected_ret[names.RETENTION_CONSUMED] >= 1
+    block_seconds = sum(s.attributes[names.RETENTION_BLOCK_SECONDS] for s in retentions)
+    assert prom.total(d_text, "otelkv_kv_retention_block_seconds_total") == pytest.approx(block_seconds)
+    assert prom.total(d_text, "otelkv_kv_retained_blocks", {"kind": "decode_ttl"}) == 0
+
+    req_counts = Counter(
+        (s.attributes[names.ROLE], s.attributes[names.REQUEST_OUTCOME]) for s in p_requests + d_requests
+    )
+    got_reqs = Counter(
+        {
+            (labels["role"], labels["outcome"]): int(value)
+            for name, labels, value in prom.parse_samples(p_text) + prom.parse_samples(d_text)
+            if name == "otelkv_requests_total"
+        }
+    )
+    assert got_reqs == req_counts
+    assert prom.total(p_text, "otelkv_instrumentation_errors_total") == 0
+    assert prom.total(d_text, "otelkv_instrumentation_errors_total") == 0
+    # vLLM's own periodic NIXL log line still appears.
+    assert "KV Transfer metrics:" in fleet.prefill.log_path.read_text()

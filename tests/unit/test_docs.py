@@ -1,0 +1,52 @@
+"""The telemetry reference and the README stay true to ``otelkv.names``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from otelkv import names
+from otelkv.engine.prom import METRICS
+
+ROOT = Path(__file__).resolve().parents[2]
+TELEMETRY = (ROOT / "docs" / "telemetry.md").read_text()
+README = (ROOT / "README.md").read_text()
+
+ATTRIBUTE_KEYS = sorted(
+    value
+    for key, value in vars(names).items()
+    if key.isupper()
+    and isinstance(value, str)
+    and (value.startswith("otelkv.") or value.startswith("gen_ai."))
+    and not key.startswith(("SCOPE_", "CONFIG_", "ENV_", "PROVIDER_"))
+)
+
+
+@pytest.mark.parametrize("key", ATTRIBUTE_KEYS)
+def test_every_attribute_key_is_documented(key: str) -> None:
+    assert f"`{key}`" in TELEMETRY
+
+
+@pytest.mark.parametrize("metric", sorted(METRICS))
+def test_every_metric_is_documented_in_both_places(metric: str) -> None:
+    kind = METRICS[metric][0]
+    exposed = metric if kind != "counter" else f"{metric}_total"
+    assert f"`{exposed}`" in TELEMETRY
+    assert exposed in README
+
+
+@pytest.mark.parametrize(
+    "vocabulary",
+    [names.PULL_REASONS, names.TRANSFER_OUTCOMES, names.RETENTION_OUTCOMES, names.REQUEST_OUTCOMES],
+)
+def test_every_vocabulary_value_is_documented(vocabulary: tuple[str, ...]) -> None:
+    missing = [v for v in vocabulary if f"`{v}`" not in TELEMETRY]
+    assert not missing
+
+
+def test_readme_starts_with_the_two_commands() -> None:
+    block = README.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert [line.split()[0] for line in block] == ["./scripts/demo.sh", "./scripts/test.sh"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "scripts/test.sh" in ci

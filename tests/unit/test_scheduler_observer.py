@@ -1,0 +1,295 @@
+"""Scheduler-side spans and counters, driven hook by hook in vLLM's call order.
+
+A fresh in-memory exporter per test; requests are plain objects with the attributes
+vLLM's ``Request`` has. The fleet tests cover the same paths against real engines.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from vllm.v1.outputs import KVConnectorOutput
+
+from otelkv import names
+from otelkv.engine.config import EngineSettings
+from otelkv.engine.guard import ErrorLedger
+from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord
+from otelkv.engine.scheduler_observer import SchedulerObserver, base_request_id
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_ID = "b7ad6b7169203331"
+HANDLE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_block_ids": [[4, 5, 6, 7]],
+    "remote_engine_id": "decode-0",
+    "remote_request_id": "chatcmpl-prev-0badf00d",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "remote_num_tokens": 130,
+}
+
+
+def make_observer(**settings: Any) -> tuple[SchedulerObserver, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    defaults: dict[str, Any] = {
+        "engine_id": "prefill-0",
+        "kv_role": "kv_producer",
+        "model": "tiny",
+        "bidirectional": True,
+        "recompute_threshold": 64,
+        "decoder_ttl_s": 12.0,
+    }
+    defaults.update(settings)
+    observer = SchedulerObserver(
+        EngineSettings(**defaults),
+        ErrorLedger(),
+        provider.get_tracer("test"),
+        connector_name="NixlPullConnector",
+        bytes_per_block=65536,
+    )
+    return observer, exporter
+
+
+def make_request(
+    params: dict[str, Any] | None, *, prompt: int = 150, rid: str = "chatcmpl-abc-12345678"
+) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=dict(params) if params else None,
+        trace_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+        session_id="conv-1",
+        num_prompt_tokens=prompt,
+        num_output_tokens=1,
+        status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+    )
+
+
+def spans_by_name(exporter: InMemorySpanExporter) -> dict[str, Any]:
+    return {s.name: s for s in exporter.get_finished_spans()}
+
+
+def test_base_request_id_strips_only_vllms_suffix() -> None:
+    assert base_request_id("chatcmpl-abc-12345678") == "chatcmpl-abc"
+    assert base_request_id("cmpl-abc-0-b513301f") == "cmpl-abc-0"
+    assert base_request_id("no-suffix-here") == "no-suffix-here"
+    assert base_request_id("chatcmpl-abc-XYZ45678") == "chatcmpl-abc-XYZ45678"
+
+
+def test_reverse_pull_is_recorded_on_request_and_transfer_spans() -> None:
+    observer, exporter = make_observer()
+    req = make_request(HANDLE)
+    observer.on_new_request(req)
+    observer.on_matched(req, 32, (98, True))
+    observer.on_alloc(req, 98)
+    observer.on_alloc(req, 0)  # vLLM's second call after the load: ignored
+    record = TransferRecord(
+        req.request_id, "ok", bytes=262144, descriptors=2, handles=1, xfer_s=0.012, post_s=0.001
+    )
+    output = KVConnectorOutput(finished_recving={req.request_id})
+    observer.on_output(output, OtelKVWorkerMeta(transfers={req.request_id: record}))
+    observer.on_finished(req, [[1, 2, 3, 4, 5]], (True, None))
+
+    spans = spans_by_name(exporter)
+    request = spans["kv_request prefill"]
+    transfer = spans["kv_transfer D->P"]
+    assert format(request.context.trace_id, "032x") == TRACE_ID
+    assert format(request.parent.span_id, "016x") == PARENT_ID
+    assert transfer.parent.span_id == request.context.span_id
+    a = request.attributes
+    assert a[names.PULL_DECISION] == names.DECISION_PULL
+    assert a[names.PULL_REASON] == names.REASON_PULLED
+    assert (a[names.TOKENS_LOCAL_CACHE_HIT], a[names.TOKENS_PULLED], a[names.TOKENS_COMPUTED]) == (32, 98, 20)
+    assert a[names.TOKENS_REMOTE_REUSABLE] == 98
+    assert a[names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == 130
+    assert a[names.REMOTE_REQUEST_ID] == "chatcmpl-prev-0badf00d"
+    assert a[names.GEN_AI_CONVERSATION_ID] == "conv-1"
+    assert a[names.BASE_REQUEST_ID] == a[names.GEN_AI_REQUEST_ID] == "chatcmpl-abc"
+    assert a[names.REQUEST_OUTCOME] == names.OUTCOME_FINISHED
+    t = transfer.attributes
+    assert (t[names.TRANSFER_BYTES], t[names.TRANSFER_DESCRIPTORS], t[names.TRANSFER_OUTCOME]) == (
+        262144,
+        2,
+        "ok",
+    )
+    assert t[names.TRANSFER_XFER_SECONDS] == 0.012
+
+    payload = observer.take_payload()
+    assert payload is not None
+    c = payload["c"]
+    assert c["otelkv_pull_decisions|pull|pulled"] == 1
+    assert c["otelkv_kv_transfer_bytes|D->P|UCX"] == 262144
+    assert c["otelkv_prefill_tokens|prefill|pulled"] == 98
+    assert c["otelkv_prefill_tokens|prefill|computed"] == 20
+    assert payload["h"]["otelkv_kv_transfer_seconds|D->P|UCX"] == [0.012]
+    # The prefill node keeps its prompt for the decode node: a lease retention is open.
+    assert payload["g"]["otelkv_kv_retained_blocks|prefill_lease"] == 5
+    assert observer.take_payload() is None
+
+
+def test_declined_expired_read_fails_the_request_with_the_reason() -> None:
+    observer, exporter = make_observer()
+    req = make_request(HANDLE)
+    observer.on_new_request(req)
+    observer.on_matched(req, 32, (98, True))
+    observer.on_alloc(req, 98)
+    # vLLM fails the request (FINISHED_ERROR) before it reports the failed load.
+    req.status = SimpleNamespace(name="FINISHED_ERROR")
+    observer.on_finished(req, [[1, 2, 3]], (False, None))
+    assert exporter.get_finished_spans() == ()
+    record = TransferRecord(req.request_id, names.TRANSFER_DECLINED_EXPIRED)
+    output = KVConnectorOutput(finished_recving={req.request_id}, failed_recving={req.request_id})
+    observer.on_output(output, OtelKVWorkerMeta(transfers={req.request_id: record}))
+
+    spans = spans_by_name(exporter)
+    request = spans["kv_request prefill"]
+    assert request.attributes[names.PULL_REASON] == names.REASON_DECLINED_EXPIRED
+    assert request.attributes[names.REQUEST_OUTCOME] == names.OUTCOME_FAILED_KV_LOAD
+    assert request.attributes[names.TOKENS_PULLED] == 0
+    assert request.status.status_code.name == "ERROR"
+    assert "declined_expired" in request.status.description
+    assert spans["kv_transfer D->P"].attributes[names.TRANSFER_OUTCOME] == names.TRANSFER_DECLINED_EXPIRED
+    payload = observer.take_payload()
+    assert payload is not None
+    assert payload["c"]["otelkv_pull_decisions|pull|declined_expired"] == 1
+    assert payload["c"]["otelkv_requests|prefill|failed_kv_load"] == 1
+
+
+def test_a_request_waiting_too_long_for_remote_kv_is_reported_stuck_once() -> None:
+    observer, exporter = make_observer(stuck_after_s=0.05, bidirectional=False)
+    req = make_request(HANDLE)
+    observer.on_new_request(req)
+    observer.on_matched(req, 0, (130, True))
+    observer.on_alloc(req, 130)
+    observer.on_step()
+    assert exporter.get_finished_spans() == ()
+    time.sleep(0.08)
+    observer.on_step()
+    spans = spans_by_name(exporter)
+    request = spans["kv_request prefill"]
+    assert request.attributes[names.REQUEST_OUTCOME] == names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV
+    assert request.attributes[names.PULL_REASON] == names.REASON_BIDIRECTIONAL_OFF
+    assert spans["kv_transfer D->P"].attributes[names.TRANSFER_OUTCOME] == names.TRANSFER_STUCK
+    # The client eventually gives up: vLLM aborts the request. Nothing ends twice.
+    req.status = SimpleNamespace(name="FINISHED_ABORTED")
+    observer.on_finished(req, [[1]], (False, None))
+    observer.on_step()
+    assert len(exporter.get_finished_spans()) == 2
+
+
+def test_decode_retention_ends_consumed_or_expired() -> None:
+    observer, exporter = make_observer(engine_id="decode-0", kv_role="kv_consumer")
+    read, lapsed = (
+        make_request({"do_remote_prefill": True}, rid=f"chatcmpl-{n}-12345678") for n in ("read", "lapsed")
+    )
+    for req in (read, lapsed):
+        observer.on_new_request(req)
+        observer.on_matched(req, 0, (150, True))
+        observer.on_alloc(req, 150)
+        observer.on_output(KVConnectorOutput(finished_recving={req.request_id}), None)
+    now = time.perf_counter()
+    observer.on_finished(read, [[1, 2, 3, 4]], (True, {"remote_blocks_expiry_time": now + 12.0}))
+    observer.on_finished(lapsed, [[5, 6]], (True, {"remote_blocks_expiry_time": now + 12.0}))
+    gauges = observer.take_payload()
+    assert gauges is not None and gauges["g"]["otelkv_kv_retained_blocks|decode_ttl"] == 6
+    assert gauges["g"]["otelkv_kv_retained_bytes|decode_ttl"] == 6 * 65536
+    observer.on_output(KVConnectorOutput(finished_sending={read.request_id}), None)
+    observer.on_output(
+        KVConnectorOutput(finished_sending={lapsed.request_id}),
+        OtelKVWorkerMeta(expired_sends={lapsed.request_id}),
+    )
+    retentions = [s for s in exporter.get_finished_spans() if s.name == "kv_retention decode_ttl"]
+    outcomes = {s.attributes[names.REQUEST_ID]: s.attributes[names.RETENTION_OUTCOME] for s in retentions}
+    assert outcomes == {read.request_id: names.RETENTION_CONSUMED, lapsed.request_id: names.RETENTION_EXPIRED}
+    assert all(abs(s.attributes[names.RETENTION_TTL_SECONDS] - 12.0) < 0.1 for s in retentions)
+    payload = observer.take_payload()
+    assert payload is not None
+    assert payload["c"]["otelkv_kv_retentions|decode_ttl|consumed"] == 1
+    assert payload["c"]["otelkv_kv_retentions|decode_ttl|expired"] == 1
+    assert payload["g"]["otelkv_kv_retained_blocks|decode_ttl"] == 0
+    decode_spans = [s for s in exporter.get_finished_spans() if s.name == "kv_request decode"]
+    assert {s.attributes[names.KV_PARAMS_RETURNED] for s in decode_spans} == {True}
+
+
+def test_decode_without_bidirectional_records_the_missing_handle() -> None:
+    observer, exporter = make_observer(engine_id="decode-0", kv_role="kv_consumer", bidirectional=False)
+    req = make_request({"do_remote_prefill": True})
+    observer.on_new_request(req)
+    observer.on_matched(req, 0, (150, True))
+    observer.on_alloc(req, 150)
+    observer.on_output(KVConnectorOutput(finished_recving={req.request_id}), None)
+    observer.on_finished(req, [[1, 2]], (False, None))
+    (request,) = [s for s in exporter.get_finished_spans() if s.name == "kv_request decode"]
+    assert request.attributes[names.KV_PARAMS_RETURNED] is False
+    assert request.attributes[names.BIDIRECTIONAL_KV_XFER] is False
+    assert not [s for s in exporter.get_finished_spans() if s.name.startswith("kv_retention")]
+
+
+def test_shutdown_ends_open_retentions_as_dropped() -> None:
+    observer, exporter = make_observer(engine_id="decode-0", kv_role="kv_consumer")
+    req = make_request({"do_remote_prefill": True})
+    observer.on_new_request(req)
+    observer.on_finished(req, [[1, 2]], (True, {"remote_blocks_expiry_time": time.perf_counter() + 60}))
+    observer.shutdown()
+    (retention,) = [s for s in exporter.get_finished_spans() if s.name.startswith("kv_retention")]
+    assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_DROPPED
+
+
+def test_untraced_requests_still_count() -> None:
+    observer, exporter = make_observer()
+    req = make_request(None)
+    req.trace_headers = None
+    observer.on_new_request(req)
+    observer.on_matched(req, 64, (0, False))
+    observer.on_alloc(req, 0)
+    observer.on_finished(req, [[1]], (False, None))
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kv_request unified"
+    assert span.parent is None
+    assert names.PULL_DECISION not in span.attributes
+    payload = observer.take_payload()
+    assert payload is not None
+    assert payload["c"]["otelkv_prefill_tokens|unified|local_cache"] == 64
+    assert "otelkv_pull_decisions" not in " ".join(payload["c"])
+
+
+def test_a_mismatch_with_the_connector_is_counted_not_published() -> None:
+    observer, exporter = make_observer()
+    req = make_request(HANDLE)
+    observer.on_new_request(req)
+    observer.on_matched(req, 32, (0, False))  # a future vLLM that decided differently
+    observer.on_alloc(req, 0)
+    observer.on_finished(req, [[1]], (False, None))
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "kv_request prefill"]
+    assert names.PULL_REASON not in span.attributes
+    assert observer.errors.total["decision_mismatch"] == 1
+
+
+@pytest.mark.parametrize("hook", ["on_new_request", "on_matched", "on_alloc", "on_finished", "on_output"])
+def test_observer_errors_are_swallowed_and_counted(hook: str) -> None:
+    observer, _ = make_observer()
+    broken = object()  # has none of the attributes a vLLM Request has
+    args: dict[str, tuple[Any, ...]] = {
+        "on_new_request": (broken,),
+        "on_matched": (broken, 0, (0, False)),
+        "on_alloc": (broken, 0),
+        "on_finished": (broken, [], (False, None)),
+        "on_output": (broken, None),
+    }
+    sites = {
+        "on_new_request": "on_new_request",
+        "on_matched": "get_num_new_matched_tokens",
+        "on_alloc": "update_state_after_alloc",
+        "on_finished": "request_finished",
+        "on_output": "update_connector_output",
+    }
+    assert getattr(observer, hook)(*args[hook]) is None
+    assert dict(observer.errors.total) == {sites[hook]: 1}
