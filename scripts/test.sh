@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up the environment, then run the whole suite: lint, unit tests and the tests that
+# start real vLLM engines (NixlConnector over UCX). Fails if no real-engine test ran.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+VENV=${OTELKV_VENV:-.venv}
+"$VENV/bin/ruff" check otelkv tests bench
+export OTELKV_REQUIRE_FLEET_TESTS=1
+exec "$VENV/bin/python" -m pytest "$@"
