@@ -102,20 +102,18 @@ _PASS_THROUGH = (
     "set_xfer_handshake_metadata_pp_aware",
     "reset_cache",
 )
-# Observed hooks, rebound to the inner connector too when otelkv is off. Not in this
-# list: update_connector_output, which must always unwrap otelkv's worker meta.
-_OBSERVED = (
+# Observed hooks, rebound to the inner connector too when their observer is off. Never
+# rebound: update_connector_output, which must always unwrap otelkv's worker meta.
+_SCHEDULER_OBSERVED = (
     "on_new_request",
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
     "build_connector_meta",
     "request_finished",
     "request_finished_all_groups",
-    "start_load_kv",
-    "get_transfer_results",
-    "get_kv_connector_stats",
-    "build_connector_worker_meta",
 )
+_WORKER_OBSERVED = ("start_load_kv", "get_transfer_results")
+_STATS_HOOKS = ("get_kv_connector_stats", "build_connector_worker_meta")
 
 
 @functools.lru_cache(maxsize=32)
@@ -235,25 +233,18 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _bind_fast_paths(self) -> None:
         """Shadow unobserved hooks with the inner connector's bound methods."""
-        inner = self._inner
-        rebind = _PASS_THROUGH if (self._sched or self._worker) else _PASS_THROUGH + _OBSERVED
-        for name in rebind:
-            setattr(self, name, getattr(inner, name))
-        if self._sched is None and self._worker is None:
-            return
+        names_to_bind = list(_PASS_THROUGH)
         if self._sched is None:
-            for name in (
-                "on_new_request",
-                "get_num_new_matched_tokens",
-                "update_state_after_alloc",
-                "build_connector_meta",
-                "request_finished",
-                "request_finished_all_groups",
-            ):
-                setattr(self, name, getattr(inner, name))
+            names_to_bind += _SCHEDULER_OBSERVED
         if self._worker is None:
-            for name in ("start_load_kv", "get_transfer_results"):
-                setattr(self, name, getattr(inner, name))
+            names_to_bind += _WORKER_OBSERVED
+        if self._sched is None and self._worker is None:
+            names_to_bind += _STATS_HOOKS
+        inner = self._inner
+        for name in names_to_bind:
+            if name == "request_finished_all_groups" and not isinstance(inner, SupportsHMA):
+                continue  # keep ours: it maps to request_finished, as vLLM would
+            setattr(self, name, getattr(inner, name))
 
     @property
     def inner(self) -> KVConnectorBase_V1:

@@ -158,3 +158,13 @@ def kv_cache_config(num_blocks: int = 100, bytes_per_block: int = 65536) -> Any:
         num_blocks=num_blocks,
         kv_cache_tensors=[SimpleNamespace(size=num_blocks * bytes_per_block)],
     )
+
+
+class NonHMAConnector(KVConnectorBase_V1):
+    """A connector without SupportsHMA (vLLM then calls request_finished directly)."""
+
+
+for _name in INSTANCE_HOOKS:
+    if _name != "request_finished_all_groups":
+        setattr(NonHMAConnector, _name, _make_method(_name))
+NonHMAConnector.__abstractmethods__ = frozenset()

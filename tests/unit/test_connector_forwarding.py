@@ -193,3 +193,22 @@ def test_bad_otelkv_setting_disables_instrumentation_but_serves(caplog: pytest.L
     assert "otelkv_stuck_after_s='soon'" in caplog.text
     fakes.RETURNS["get_num_new_matched_tokens"] = (3, True)
     assert connector.get_num_new_matched_tokens(fakes.Sentinel("req"), 0) == (3, True)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["otelkv-on", "otelkv-off"])
+def test_inner_without_hma_gets_request_finished_like_vllm_would_call_it(enabled: bool) -> None:
+    fakes.reset()
+    config = fakes.vllm_config({"otelkv_inner_connector": "NonHMAConnector", names.CONFIG_ENABLED: enabled})
+    connector = OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
+    fakes.reset()
+    fakes.RETURNS["request_finished"] = (False, None)
+    request = fakes.Sentinel("request")
+    assert connector.request_finished_all_groups(request, ([1, 2],)) == (False, None)  # type: ignore[arg-type]
+    assert fakes.CALLS == [("request_finished", (request, [1, 2]), {})]
+
+
+def test_inner_without_hma_is_refused_when_vllm_runs_the_hybrid_manager() -> None:
+    config = fakes.vllm_config({"otelkv_inner_connector": "NonHMAConnector"})
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    with pytest.raises(ValueError, match="does not support HMA"):
+        OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
