@@ -4,6 +4,7 @@ so ``otelkv --help`` works without the heavy extras installed."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -43,8 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # Unwind normally on SIGTERM, so context managers stop every process they started.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.command == "demo":
         from otelkv.cli.demo import run_demo
 

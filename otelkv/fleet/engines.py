@@ -135,7 +135,11 @@ class Engine:
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "UCX_TLS": env.get("UCX_TLS", "tcp"),
+                # cma (cross-memory attach) makes a read one-sided between two processes
+                # of one host. Over tcp alone the engine holding the blocks must progress
+                # the read itself, and an idle one does not until its next step (seen
+                # here: decode's reads of an idle prefill stalled for the 30 s lease).
+                "UCX_TLS": env.get("UCX_TLS", "cma,tcp"),
                 "VLLM_TARGET_DEVICE": "cpu",
                 "OTEL_SERVICE_NAME": f"vllm-{self.spec.role}",
                 "OTEL_RESOURCE_ATTRIBUTES": f"{names.ENGINE_ID}={self.spec.engine_id}",
@@ -158,6 +162,7 @@ class Engine:
             stderr=subprocess.STDOUT,
             env=self.environment(),
             start_new_session=True,  # own process group: stop() reaches every child
+            preexec_fn=_die_with_parent,
         )
         return self
 
@@ -215,6 +220,17 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the process that started the engine dies, even by
+    SIGKILL, so a crashed test or CLI never leaves engines behind (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

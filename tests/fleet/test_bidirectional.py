@@ -18,6 +18,7 @@ from otelkv import names
 from otelkv.fleet import metrics as prom
 from otelkv.fleet.agent import Conversation, Turn, TurnResult
 from otelkv.fleet.fleet import Fleet, FleetConfig
+from otelkv.sidecar.otlp import SpanRecord
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
 
@@ -63,7 +64,9 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 @pytest.fixture(scope="module")
 def results(fleet: Fleet) -> dict[str, list[TurnResult]]:
     runs = fleet.driver().run_sync([PULLS, LAPSE, SHORT, ANONYMOUS])
-    return {conv.conversation_id: run for conv, run in zip([PULLS, LAPSE, SHORT, ANONYMOUS], runs, strict=True)}
+    return {
+        conv.conversation_id: run for conv, run in zip([PULLS, LAPSE, SHORT, ANONYMOUS], runs, strict=True)
+    }
 
 
 def test_every_turn_after_the_first_pulls_from_decode(
@@ -124,24 +127,41 @@ def test_every_turn_after_the_first_pulls_from_decode(
         previous_decode_id = d[names.REQUEST_ID]
 
 
-def test_retention_of_a_read_turn_ends_consumed(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
+def decode_retention(fleet: Fleet, trace_id: str) -> SpanRecord:
+    """The decode node's retention span of one turn (waits until it has ended)."""
     assert fleet.sink is not None
-    first = results["conv-pulls"][0]
-    spans = wait_for_turn(fleet.sink, first.trace_id)
-    decode = engine_request(spans, names.ROLE_DECODE)
-    spans = in_trace(
-        fleet.sink.wait_for(lambda all_: bool(children(all_, decode, "kv_retention"))), first.trace_id
-    )
+    decode = engine_request(wait_for_turn(fleet.sink, trace_id), names.ROLE_DECODE)
+    spans = in_trace(fleet.sink.wait_for(lambda all_: bool(children(all_, decode, "kv_retention"))), trace_id)
     (retention,) = children(spans, decode, "kv_retention")
-    a = retention.attributes
-    assert retention.name == "kv_retention decode_ttl"
-    assert a[names.RETENTION_OUTCOME] == names.RETENTION_CONSUMED
-    assert a[names.RETENTION_BLOCKS] > 0
-    assert (
-        a[names.RETENTION_BYTES] == a[names.RETENTION_BLOCKS] * 65536
-    )  # 2 layers x K,V x 32 x 2 x 64 x fp32
-    assert 0 < a[names.RETENTION_HELD_SECONDS] < TTL_S - 5
-    assert abs(a[names.RETENTION_TTL_SECONDS] - TTL_S) < 1.0
+    return retention
+
+
+def assert_agrees_with_vllm(fleet: Fleet, retention: SpanRecord) -> None:
+    """otelkv says expired exactly when vLLM's decode worker logged the expiry release."""
+    assert fleet.decode is not None
+    request_id = retention.attributes[names.REQUEST_ID]
+    logged = f"Releasing expired KV blocks for request {request_id}" in fleet.decode.log_path.read_text()
+    expired = retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_EXPIRED
+    assert expired == logged, retention.attributes
+
+
+def test_retention_of_a_read_turn_ends_consumed(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
+    retentions = [decode_retention(fleet, turn.trace_id) for turn in results["conv-pulls"][:-1]]
+    for retention in retentions:
+        a = retention.attributes
+        assert retention.name == "kv_retention decode_ttl"
+        assert a[names.RETENTION_BLOCKS] > 0
+        assert (
+            a[names.RETENTION_BYTES] == a[names.RETENTION_BLOCKS] * 65536
+        )  # 2 layers x K,V x 32 x 2 x 64 x fp32
+        assert abs(a[names.RETENTION_TTL_SECONDS] - TTL_S) < 1.0
+        assert_agrees_with_vllm(fleet, retention)
+    # Each of these turns was read by the next one. vLLM handles the reader's release
+    # notification on its next engine step, so on an idle decode node a read retention can
+    # still run to the TTL (otelkv then says expired, as vLLM's log does); most are consumed.
+    consumed = [r for r in retentions if r.attributes[names.RETENTION_OUTCOME] == names.RETENTION_CONSUMED]
+    assert consumed
+    assert all(0 < r.attributes[names.RETENTION_HELD_SECONDS] < TTL_S - 5 for r in consumed)
 
 
 def test_pause_longer_than_ttl_expires_the_retention_and_fails_the_next_turn(
@@ -205,14 +225,9 @@ def test_fewer_reusable_tokens_than_the_threshold_recompute(
         assert 0 < p[names.TOKENS_REMOTE_REUSABLE] < THRESHOLD
         assert p[names.TOKENS_PULLED] == 0
         assert children(spans, prefill, "kv_transfer") == []
-    # The skipped pull still releases decode's blocks at once (prefill notifies decode).
-    spans = wait_for_turn(fleet.sink, turns[0].trace_id)
-    decode = engine_request(spans, names.ROLE_DECODE)
-    spans = in_trace(
-        fleet.sink.wait_for(lambda all_: bool(children(all_, decode, "kv_retention"))), turns[0].trace_id
-    )
-    (retention,) = children(spans, decode, "kv_retention")
-    assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_CONSUMED
+    # The skipped pull still notifies decode, which releases its blocks (or, if the
+    # notification is handled only after the deadline, expires them, as vLLM logs).
+    assert_agrees_with_vllm(fleet, decode_retention(fleet, turns[0].trace_id))
 
 
 def test_without_conversation_id_nothing_is_reused(
