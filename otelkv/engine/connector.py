@@ -26,7 +26,6 @@ For NIXL use the preset in :mod:`otelkv.engine.nixl`, which keeps the class name
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import logging
@@ -203,19 +202,20 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         settings = self._settings
         if role == KVConnectorRole.SCHEDULER:
-            from otelkv.engine.scheduler_observer import SchedulerObserver
+            from otelkv.engine.scheduler_observer import SchedulerObserver, engine_resource_attributes
 
-            tracer = telemetry.get_tracer(
+            writer = telemetry.get_span_writer(
                 process_kind="scheduler",
                 engine_id=settings.engine_id,
                 role=settings.engine_role,
                 vllm_endpoint=settings.vllm_traces_endpoint,
                 enabled=settings.traces,
+                resource=engine_resource_attributes(settings, self._inner_name),
             )
             self._sched = SchedulerObserver(
                 settings,
                 self._errors,
-                tracer,
+                writer,
                 connector_name=self._inner_name,
                 bytes_per_block=_bytes_per_block(vllm_config, kv_cache_config),
             )
@@ -415,8 +415,9 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         ours = meta if isinstance(meta, OtelKVWorkerMeta) else None
         if ours is not None:
-            # The inner connector sees its own worker meta, exactly as without otelkv.
-            connector_output = dataclasses.replace(connector_output, kv_connector_worker_meta=ours.inner)
+            # The inner connector (and anything in vLLM after it) sees its own worker
+            # meta, exactly as without otelkv. In place: copying the output cost ~0.1 ms.
+            connector_output.kv_connector_worker_meta = ours.inner
         result = self._inner.update_connector_output(connector_output)
         if self._sched is not None:
             self._sched.on_output(connector_output, ours)

@@ -17,18 +17,17 @@ Every public method is wrapped by :func:`~otelkv.engine.guard.guarded`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import StatusCode
 
 from otelkv import names
 from otelkv.engine.config import EngineSettings
 from otelkv.engine.decision import PullDecision, agrees_with_connector, decide_reverse_pull, role_of
 from otelkv.engine.guard import ErrorLedger, guarded
 from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord, new_payload, payload_is_empty, series_key
+from otelkv.engine.span_export import SpanRecord, new_span_id, new_trace_id
 
 # vLLM RequestStatus names (compared by name: the enum's values are not an API).
 _FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
@@ -48,9 +47,20 @@ def base_request_id(request_id: str) -> str:
 
 
 @dataclass(slots=True)
+class _TransferSpan:
+    """A finished KV load, turned into a span when its request's span is built."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error: str | None
+
+
+@dataclass(slots=True)
 class _Retention:
     kind: str
-    span: Span
+    start_ns: int
     blocks: int
     bytes: int
     ttl_s: float
@@ -72,8 +82,12 @@ class _Finish:
 class _Request:
     request_id: str
     role: str
-    span: Span
-    ctx: Context
+    trace_id: int
+    span_id: int
+    parent_span_id: int
+    trace_flags: int
+    start_ns: int
+    attributes: dict[str, Any]
     prompt_tokens: int
     local_hit: int = 0
     matched: int | None = None
@@ -88,7 +102,7 @@ class _Request:
     ended: bool = False
     retention: _Retention | None = None
     pending_finish: _Finish | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    transfer: _TransferSpan | None = None
 
 
 class SchedulerObserver:
@@ -98,14 +112,14 @@ class SchedulerObserver:
         self,
         settings: EngineSettings,
         errors: ErrorLedger,
-        tracer: trace.Tracer,
+        writer: Any,
         *,
         connector_name: str,
         bytes_per_block: int,
     ) -> None:
         self.settings = settings
         self.errors = errors
-        self._tracer = tracer
+        self._writer = writer
         self._connector_name = connector_name
         self._bytes_per_block = bytes_per_block
         self._reqs: dict[str, _Request] = {}
@@ -113,16 +127,9 @@ class SchedulerObserver:
         self._pending_finish: dict[str, float] = {}  # likewise
         self._retained_blocks: dict[str, int] = {k: 0 for k in names.RETENTION_KINDS}
         self._payload = new_payload()
-        self._static_attrs: dict[str, Any] = {
-            names.ENGINE_ID: settings.engine_id,
-            names.KV_CONNECTOR: connector_name,
-            names.GEN_AI_REQUEST_MODEL: settings.model,
-            names.GEN_AI_PROVIDER_NAME: names.PROVIDER_VLLM,
-            names.BIDIRECTIONAL_KV_XFER: settings.bidirectional,
-            names.KV_RECOMPUTE_THRESHOLD: settings.recompute_threshold,
-            names.DECODER_KV_BLOCKS_TTL: settings.decoder_ttl_s,
-            names.KV_LOAD_FAILURE_POLICY: settings.load_failure_policy,
-        }
+        # Engine-wide facts (connector, configuration in force) are resource attributes
+        # (see resource_attributes); spans carry what varies by request.
+        self._static_attrs: dict[str, Any] = {names.GEN_AI_REQUEST_MODEL: settings.model}
 
     # ------------------------------------------------------------------ metrics
 
@@ -155,26 +162,26 @@ class SchedulerObserver:
     def on_new_request(self, request: Any) -> None:
         request_id = request.request_id
         role = role_of(request.kv_transfer_params)
-        headers = request.trace_headers
-        parent = propagate.extract({k.lower(): v for k, v in headers.items()}) if headers else None
-        span = self._tracer.start_span(
-            names.engine_request_span_name(role), context=parent, kind=SpanKind.INTERNAL
-        )
-        if span.is_recording():
-            attrs = dict(self._static_attrs)
-            attrs[names.ROLE] = role
-            attrs[names.REQUEST_ID] = request_id
-            base = base_request_id(request_id)
-            attrs[names.BASE_REQUEST_ID] = base
-            attrs[names.GEN_AI_REQUEST_ID] = base
-            if request.session_id:
-                attrs[names.GEN_AI_CONVERSATION_ID] = str(request.session_id)
-            span.set_attributes(attrs)
+        parent = _parse_traceparent(request.trace_headers)
+        base = base_request_id(request_id)
+        attrs = dict(self._static_attrs)
+        attrs[names.ROLE] = role
+        attrs[names.REQUEST_ID] = request_id
+        attrs[names.GEN_AI_REQUEST_ID] = base
+        if request.session_id:
+            attrs[names.GEN_AI_CONVERSATION_ID] = str(request.session_id)
+        # The spans are built once, with all their attributes, when the request ends:
+        # one attribute-set construction per span is most of what a span costs.
+        trace_id, parent_span_id, flags = parent or (new_trace_id(), 0, 0x01)
         self._reqs[request_id] = _Request(
             request_id=request_id,
             role=role,
-            span=span,
-            ctx=trace.set_span_in_context(span),
+            trace_id=trace_id,
+            span_id=new_span_id(),
+            parent_span_id=parent_span_id,
+            trace_flags=flags,
+            start_ns=time.time_ns(),
+            attributes=attrs,
             prompt_tokens=int(request.num_prompt_tokens or 0),
         )
 
@@ -260,7 +267,7 @@ class SchedulerObserver:
             f"waiting for remote KV for {waited_s:.1f}s (> {self.settings.stuck_after_s:g}s, "
             "otelkv_stuck_after_s); the request is still parked in WAITING_FOR_REMOTE_KVS"
         )
-        self._end_request(state, names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV, None, message)
+        self._end_request(state, names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV, message)
 
     @guarded("update_connector_output")
     def on_output(self, output: Any, meta: OtelKVWorkerMeta | None) -> None:
@@ -323,37 +330,33 @@ class SchedulerObserver:
         if record is not None and outcome == names.TRANSFER_OK and record.handles:
             self._observe(names.METRIC_TRANSFER_SECONDS, record.xfer_s, direction, backend)
 
-        span = self._tracer.start_span(
-            names.transfer_span_name(direction), context=state.ctx, start_time=start_ns
+        decision = state.decision
+        attrs: dict[str, Any] = {
+            names.TRANSFER_DIRECTION: direction,
+            names.TRANSFER_BACKEND: backend,
+            names.TRANSFER_OUTCOME: outcome,
+            names.TRANSFER_WAIT_SECONDS: waited,
+            names.TRANSFER_TOKENS: int(state.matched or 0),
+        }
+        if record is not None:
+            attrs[names.TRANSFER_BYTES] = record.bytes
+            attrs[names.TRANSFER_DESCRIPTORS] = record.descriptors
+            attrs[names.TRANSFER_HANDLES] = record.handles
+            attrs[names.TRANSFER_XFER_SECONDS] = record.xfer_s
+            attrs[names.TRANSFER_POST_SECONDS] = record.post_s
+            if record.remote_engine_id:
+                attrs[names.REMOTE_ENGINE_ID] = record.remote_engine_id
+        if decision is not None and decision.remote_engine_id:
+            attrs[names.REMOTE_ENGINE_ID] = decision.remote_engine_id
+        error = None
+        if outcome != names.TRANSFER_OK:
+            attrs[names.ERROR_TYPE] = outcome
+            error = _transfer_message(outcome, state)
+        state.transfer = _TransferSpan(
+            names.transfer_span_name(direction), start_ns, time.time_ns(), attrs, error
         )
-        if span.is_recording():
-            decision = state.decision
-            attrs: dict[str, Any] = {
-                names.TRANSFER_DIRECTION: direction,
-                names.TRANSFER_BACKEND: backend,
-                names.TRANSFER_OUTCOME: outcome,
-                names.TRANSFER_WAIT_SECONDS: waited,
-                names.TRANSFER_TOKENS: int(state.matched or 0),
-                names.ENGINE_ID: self.settings.engine_id,
-                names.REQUEST_ID: state.request_id,
-            }
-            if record is not None:
-                attrs[names.TRANSFER_BYTES] = record.bytes
-                attrs[names.TRANSFER_DESCRIPTORS] = record.descriptors
-                attrs[names.TRANSFER_HANDLES] = record.handles
-                attrs[names.TRANSFER_XFER_SECONDS] = record.xfer_s
-                attrs[names.TRANSFER_POST_SECONDS] = record.post_s
-                if record.remote_engine_id:
-                    attrs[names.REMOTE_ENGINE_ID] = record.remote_engine_id
-            if decision is not None and decision.remote_engine_id:
-                attrs[names.REMOTE_ENGINE_ID] = decision.remote_engine_id
-                if decision.remote_request_id:
-                    attrs[names.REMOTE_REQUEST_ID] = decision.remote_request_id
-            span.set_attributes(attrs)
-            if outcome != names.TRANSFER_OK:
-                span.set_status(Status(StatusCode.ERROR, _transfer_message(outcome, state)))
-                span.set_attribute(names.ERROR_TYPE, outcome)
-        span.end()
+        if state.ended:  # the request span exists already: emit the transfer now
+            self._emit_transfer(state)
 
     @guarded("request_finished")
     def on_finished(self, request: Any, block_ids: Any, result: tuple[bool, dict[str, Any] | None]) -> None:
@@ -392,18 +395,17 @@ class SchedulerObserver:
         else:
             outcome, message = names.OUTCOME_ERROR, f"vLLM finished the request with {status}"
 
-        state.extra[names.REQUEST_STATUS] = status
-        state.extra[names.GEN_AI_USAGE_OUTPUT_TOKENS] = finish.output_tokens
-        state.extra[names.KV_PARAMS_RETURNED] = finish.params is not None
+        attrs = state.attributes
+        attrs[names.REQUEST_STATUS] = status
+        attrs[names.GEN_AI_USAGE_OUTPUT_TOKENS] = finish.output_tokens
+        attrs[names.KV_PARAMS_RETURNED] = finish.params is not None
+        self._end_request(state, outcome, message)
         if finish.delay_free:
             self._start_retention(state, finish.block_ids, finish.params)
-        self._end_request(state, outcome, finish.params, message)
         if state.retention is None:
             self._reqs.pop(state.request_id, None)
 
-    def _end_request(
-        self, state: _Request, outcome: str, params: dict[str, Any] | None, message: str | None
-    ) -> None:
+    def _end_request(self, state: _Request, outcome: str, message: str | None) -> None:
         if state.ended:
             return
         state.ended = True
@@ -421,37 +423,72 @@ class SchedulerObserver:
         if decision is not None and state.reason is not None:
             self._count(names.METRIC_PULL_DECISIONS, decision.decision, state.reason)
 
-        span = state.span
-        if span.is_recording():
-            attrs: dict[str, Any] = dict(state.extra)
-            attrs[names.REQUEST_OUTCOME] = outcome
-            attrs[names.GEN_AI_USAGE_INPUT_TOKENS] = state.prompt_tokens
-            if state.allocated:
-                attrs[names.TOKENS_LOCAL_CACHE_HIT] = state.local_hit
-                attrs[names.TOKENS_PULLED] = pulled
-                attrs[names.TOKENS_COMPUTED] = computed
-                attrs[names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = state.local_hit + pulled
-            if state.remote_kv_wait_s is not None:
-                attrs[names.REMOTE_KV_WAIT_SECONDS] = state.remote_kv_wait_s
-            if decision is not None:
-                attrs[names.PULL_DECISION] = decision.decision
-                if state.reason is not None:
-                    attrs[names.PULL_REASON] = state.reason
-                attrs[names.TOKENS_REMOTE_REUSABLE] = decision.remote_reusable
-                attrs[names.REMOTE_BLOCKS] = decision.remote_blocks
-                if decision.remote_num_tokens is not None:
-                    attrs[names.REMOTE_NUM_TOKENS] = decision.remote_num_tokens
-                if decision.remote_engine_id:
-                    attrs[names.REMOTE_ENGINE_ID] = decision.remote_engine_id
-                if decision.remote_request_id:
-                    attrs[names.REMOTE_REQUEST_ID] = decision.remote_request_id
-            elif role == names.ROLE_DECODE and state.matched:
-                attrs[names.TOKENS_REMOTE_REUSABLE] = int(state.matched)
-            span.set_attributes(attrs)
-            if message is not None and outcome not in (names.OUTCOME_FINISHED, names.OUTCOME_ABORTED):
-                span.set_status(Status(StatusCode.ERROR, message))
-                span.set_attribute(names.ERROR_TYPE, outcome)
-        span.end()
+        attrs = state.attributes
+        attrs[names.REQUEST_OUTCOME] = outcome
+        attrs[names.GEN_AI_USAGE_INPUT_TOKENS] = state.prompt_tokens
+        if state.allocated:
+            attrs[names.TOKENS_LOCAL_CACHE_HIT] = state.local_hit
+            attrs[names.TOKENS_PULLED] = pulled
+            attrs[names.TOKENS_COMPUTED] = computed
+            attrs[names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = state.local_hit + pulled
+        if state.remote_kv_wait_s is not None:
+            attrs[names.REMOTE_KV_WAIT_SECONDS] = state.remote_kv_wait_s
+        if decision is not None:
+            attrs[names.PULL_DECISION] = decision.decision
+            if state.reason is not None:
+                attrs[names.PULL_REASON] = state.reason
+            attrs[names.KV_RECOMPUTE_THRESHOLD] = self.settings.recompute_threshold
+            attrs[names.TOKENS_REMOTE_REUSABLE] = decision.remote_reusable
+            attrs[names.REMOTE_BLOCKS] = decision.remote_blocks
+            if decision.remote_num_tokens is not None:
+                attrs[names.REMOTE_NUM_TOKENS] = decision.remote_num_tokens
+            if decision.remote_engine_id:
+                attrs[names.REMOTE_ENGINE_ID] = decision.remote_engine_id
+            if decision.remote_request_id:
+                attrs[names.REMOTE_REQUEST_ID] = decision.remote_request_id
+        elif role == names.ROLE_DECODE and state.matched:
+            attrs[names.TOKENS_REMOTE_REUSABLE] = int(state.matched)
+        failed = message is not None and outcome not in (names.OUTCOME_FINISHED, names.OUTCOME_ABORTED)
+        if failed:
+            attrs[names.ERROR_TYPE] = outcome
+
+        if self._writer.enabled:
+            self._writer.emit(
+                SpanRecord(
+                    names.engine_request_span_name(role),
+                    state.trace_id,
+                    state.span_id,
+                    state.parent_span_id,
+                    True,
+                    state.trace_flags,
+                    state.start_ns,
+                    time.time_ns(),
+                    attrs,
+                    StatusCode.ERROR.value if failed else StatusCode.UNSET.value,
+                    message if failed else None,
+                )
+            )
+        self._emit_transfer(state)
+
+    def _emit_transfer(self, state: _Request) -> None:
+        transfer, state.transfer = state.transfer, None
+        if transfer is None or not self._writer.enabled:
+            return
+        self._writer.emit(
+            SpanRecord(
+                transfer.name,
+                state.trace_id,
+                new_span_id(),
+                state.span_id,
+                False,
+                state.trace_flags,
+                transfer.start_ns,
+                transfer.end_ns,
+                transfer.attributes,
+                StatusCode.ERROR.value if transfer.error else StatusCode.UNSET.value,
+                transfer.error,
+            )
+        )
 
     # ------------------------------------------------------------------ retention
 
@@ -468,20 +505,7 @@ class SchedulerObserver:
             deadline = float(expiry)  # same process, same perf_counter clock
             ttl = max(deadline - now, 0.0)
         nbytes = blocks * self._bytes_per_block
-        span = self._tracer.start_span(names.retention_span_name(kind), context=state.ctx)
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    names.RETENTION_KIND: kind,
-                    names.RETENTION_BLOCKS: blocks,
-                    names.RETENTION_BYTES: nbytes,
-                    names.RETENTION_TTL_SECONDS: ttl,
-                    names.RETENTION_DEADLINE: time.time() + (deadline - now),
-                    names.ENGINE_ID: self.settings.engine_id,
-                    names.REQUEST_ID: state.request_id,
-                }
-            )
-        state.retention = _Retention(kind, span, blocks, nbytes, ttl, now, deadline)
+        state.retention = _Retention(kind, time.time_ns(), blocks, nbytes, ttl, now, deadline)
         self._retained_blocks[kind] += blocks
         self._set_retained_gauges(kind)
 
@@ -503,16 +527,31 @@ class SchedulerObserver:
         self._count(names.METRIC_RETENTION_BLOCK_SECONDS, retention.kind, value=block_seconds)
         self._retained_blocks[retention.kind] -= retention.blocks
         self._set_retained_gauges(retention.kind)
-        span = retention.span
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    names.RETENTION_OUTCOME: outcome,
-                    names.RETENTION_HELD_SECONDS: held,
-                    names.RETENTION_BLOCK_SECONDS: block_seconds,
-                }
+        if self._writer.enabled:
+            self._writer.emit(
+                SpanRecord(
+                    names.retention_span_name(retention.kind),
+                    state.trace_id,
+                    new_span_id(),
+                    state.span_id,
+                    False,
+                    state.trace_flags,
+                    retention.start_ns,
+                    time.time_ns(),
+                    {
+                        names.RETENTION_KIND: retention.kind,
+                        names.RETENTION_BLOCKS: retention.blocks,
+                        names.RETENTION_BYTES: retention.bytes,
+                        names.RETENTION_TTL_SECONDS: retention.ttl_s,
+                        names.RETENTION_DEADLINE: retention.start_ns / 1e9
+                        + (retention.deadline_perf - retention.start_perf),
+                        names.RETENTION_OUTCOME: outcome,
+                        names.RETENTION_HELD_SECONDS: held,
+                        names.RETENTION_BLOCK_SECONDS: block_seconds,
+                        names.REQUEST_ID: state.request_id,
+                    },
+                )
             )
-        span.end()
         if state.ended:
             self._reqs.pop(state.request_id, None)
 
@@ -524,6 +563,37 @@ class SchedulerObserver:
                 self._end_retention(state, names.RETENTION_DROPPED)
         self._reqs.clear()
         self._waiting.clear()
+
+
+def _parse_traceparent(headers: Any) -> tuple[int, int, int] | None:
+    """(trace id, parent span id, flags) of a W3C ``traceparent``, or None if absent/invalid."""
+    if not headers:
+        return None
+    value = headers.get("traceparent") or headers.get("Traceparent")
+    if not isinstance(value, str):
+        return None
+    parts = value.strip().split("-")
+    if len(parts) < 4 or len(parts[0]) != 2 or parts[0] == "ff" or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3][:2], 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, flags
+
+
+def engine_resource_attributes(settings: EngineSettings, connector_name: str) -> dict[str, Any]:
+    """What is the same for every request of an engine: stated once, on the resource."""
+    return {
+        names.KV_CONNECTOR: connector_name,
+        names.GEN_AI_PROVIDER_NAME: names.PROVIDER_VLLM,
+        names.BIDIRECTIONAL_KV_XFER: settings.bidirectional,
+        names.KV_RECOMPUTE_THRESHOLD: settings.recompute_threshold,
+        names.DECODER_KV_BLOCKS_TTL: settings.decoder_ttl_s,
+        names.KV_LOAD_FAILURE_POLICY: settings.load_failure_policy,
+    }
 
 
 def _count_blocks(block_ids: Any) -> int:

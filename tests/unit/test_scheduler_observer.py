@@ -11,8 +11,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from vllm.v1.outputs import KVConnectorOutput
 
@@ -20,7 +18,8 @@ from otelkv import names
 from otelkv.engine.config import EngineSettings
 from otelkv.engine.guard import ErrorLedger
 from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord
-from otelkv.engine.scheduler_observer import SchedulerObserver, base_request_id
+from otelkv.engine.scheduler_observer import SchedulerObserver, base_request_id, engine_resource_attributes
+from otelkv.engine.span_export import InProcessWriter
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -38,8 +37,6 @@ HANDLE = {
 
 def make_observer(**settings: Any) -> tuple[SchedulerObserver, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
     defaults: dict[str, Any] = {
         "engine_id": "prefill-0",
         "kv_role": "kv_producer",
@@ -52,7 +49,7 @@ def make_observer(**settings: Any) -> tuple[SchedulerObserver, InMemorySpanExpor
     observer = SchedulerObserver(
         EngineSettings(**defaults),
         ErrorLedger(),
-        provider.get_tracer("test"),
+        InProcessWriter(exporter),
         connector_name="NixlPullConnector",
         bytes_per_block=65536,
     )
@@ -112,7 +109,8 @@ def test_reverse_pull_is_recorded_on_request_and_transfer_spans() -> None:
     assert a[names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == 130
     assert a[names.REMOTE_REQUEST_ID] == "chatcmpl-prev-0badf00d"
     assert a[names.GEN_AI_CONVERSATION_ID] == "conv-1"
-    assert a[names.BASE_REQUEST_ID] == a[names.GEN_AI_REQUEST_ID] == "chatcmpl-abc"
+    assert a[names.GEN_AI_REQUEST_ID] == "chatcmpl-abc"
+    assert names.ENGINE_ID not in a  # engine-wide: on the resource
     assert a[names.REQUEST_OUTCOME] == names.OUTCOME_FINISHED
     t = transfer.attributes
     assert (t[names.TRANSFER_BYTES], t[names.TRANSFER_DESCRIPTORS], t[names.TRANSFER_OUTCOME]) == (
@@ -229,7 +227,12 @@ def test_decode_without_bidirectional_records_the_missing_handle() -> None:
     observer.on_finished(req, [[1, 2]], (False, None))
     (request,) = [s for s in exporter.get_finished_spans() if s.name == "kv_request decode"]
     assert request.attributes[names.KV_PARAMS_RETURNED] is False
-    assert request.attributes[names.BIDIRECTIONAL_KV_XFER] is False
+    # Configuration in force is stated once per engine, on the resource.
+    assert (
+        engine_resource_attributes(observer.settings, "NixlPullConnector")[names.BIDIRECTIONAL_KV_XFER]
+        is False
+    )
+    assert names.BIDIRECTIONAL_KV_XFER not in request.attributes
     assert not [s for s in exporter.get_finished_spans() if s.name.startswith("kv_retention")]
 
 

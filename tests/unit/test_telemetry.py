@@ -1,13 +1,24 @@
-"""Engine trace export follows the standard OTEL_* environment, next to vLLM's tracer."""
+"""Engine spans leave through a real exporter process, configured by OTEL_* variables."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from opentelemetry import trace
 
 from otelkv import names
 from otelkv.engine import telemetry
+from otelkv.engine.span_export import NullWriter, ProcessWriter, SpanRecord, build_spans
 from otelkv.fleet.span_sink import SpanSink
+
+TRACE = int("0af7651916cd43dd8448eb211c80319c", 16)
+PARENT = int("b7ad6b7169203331", 16)
+
+
+def record(name: str = "kv_request prefill", *, span_id: int = 0x1111, flags: int = 1) -> SpanRecord:
+    return SpanRecord(
+        name, TRACE, span_id, PARENT, True, flags, 1_000, 2_000, {names.ROLE: "prefill", "n": 3}
+    )
 
 
 def test_endpoint_and_protocol_resolution() -> None:
@@ -21,66 +32,110 @@ def test_endpoint_and_protocol_resolution() -> None:
     assert telemetry.traces_protocol(None, {}) == "http/protobuf"
     assert telemetry.traces_protocol("x", {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}) == "http/protobuf"
     assert telemetry.traces_protocol(None, {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}) == "grpc"
+    assert (
+        telemetry.traces_protocol(
+            None, {telemetry.PROTOCOL_ENV: "grpc", "OTEL_EXPORTER_OTLP_PROTOCOL": "http"}
+        )
+        == "grpc"
+    )
 
 
-def test_no_endpoint_means_no_op_tracer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_endpoint_means_no_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    tracer = telemetry.get_tracer(
+    writer = telemetry.get_span_writer(
         process_kind="scheduler", engine_id="e", role="prefill", vllm_endpoint=None, enabled=True
     )
-    assert isinstance(tracer, trace.NoOpTracer)
+    assert isinstance(writer, NullWriter) and not writer.enabled
 
 
-def test_spans_reach_the_configured_otlp_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spans_reach_the_configured_endpoint_through_the_exporter_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with SpanSink() as sink:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", sink.endpoint)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         monkeypatch.setenv("OTEL_SERVICE_NAME", "my-prefill")
         monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
-        tracer = telemetry.get_tracer(
-            process_kind="scheduler", engine_id="prefill-7", role="prefill", vllm_endpoint=None, enabled=True
+        writer = telemetry.get_span_writer(
+            process_kind="scheduler",
+            engine_id="prefill-7",
+            role="prefill",
+            vllm_endpoint=None,
+            enabled=True,
+            resource={names.KV_CONNECTOR: "NixlPullConnector"},
         )
+        assert isinstance(writer, ProcessWriter)
         assert (
-            telemetry.get_tracer(
+            telemetry.get_span_writer(
                 process_kind="scheduler",
                 engine_id="prefill-7",
                 role="prefill",
                 vllm_endpoint=None,
                 enabled=True,
             )
-            is tracer
-        )  # one provider per process and role
-        tracer.start_span("kv_request prefill").end()
-        telemetry.force_flush()
-        (span,) = sink.wait_for(lambda spans: len(spans) == 1, timeout=10)
-    assert span.name == "kv_request prefill"
-    assert span.scope_name == names.SCOPE_ENGINE
-    assert span.resource["service.name"] == "my-prefill"
-    assert span.resource["deployment.environment"] == "test"
-    assert span.resource[names.ENGINE_ID] == "prefill-7"
-    assert span.resource[names.RESOURCE_PROCESS_KIND] == "scheduler"
+            is writer
+        )  # one exporter process per engine
+        writer.emit(record())
+        writer.emit(record("kv_transfer D->P", span_id=0x2222))
+        telemetry.flush()
+        spans = sink.wait_for(lambda got: len(got) == 2, timeout=30)
+    by_name = {s.name: s for s in spans}
+    request = by_name["kv_request prefill"]
+    assert (request.trace_id, request.span_id, request.parent_span_id) == (
+        format(TRACE, "032x"),
+        "0000000000001111",
+        format(PARENT, "016x"),
+    )
+    assert (request.start_ns, request.end_ns) == (1_000, 2_000)
+    assert request.attributes == {names.ROLE: "prefill", "n": 3}
+    assert request.scope_name == names.SCOPE_ENGINE
+    assert request.resource["service.name"] == "my-prefill"
+    assert request.resource["deployment.environment"] == "test"
+    assert request.resource[names.ENGINE_ID] == "prefill-7"
+    assert request.resource[names.KV_CONNECTOR] == "NixlPullConnector"
+    assert request.resource[names.RESOURCE_PROCESS_KIND] == "scheduler"
 
 
 def test_default_service_name_says_the_role(monkeypatch: pytest.MonkeyPatch) -> None:
-    with SpanSink() as sink:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", sink.endpoint)
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-        monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
-        monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
-        tracer = telemetry.get_tracer(
-            process_kind="worker", engine_id="d", role="decode", vllm_endpoint=None, enabled=True
-        )
-        tracer.start_span("x").end()
-        telemetry.force_flush()
-        (span,) = sink.wait_for(lambda spans: len(spans) == 1, timeout=10)
-    assert span.resource["service.name"] == "vllm-decode"
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    attrs = telemetry.resource_attributes(process_kind="scheduler", engine_id="d", role="decode")
+    assert attrs["service.name"] == "vllm-decode"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-operator")
+    assert "service.name" not in telemetry.resource_attributes(
+        process_kind="scheduler", engine_id="d", role="decode"
+    )
 
 
-def test_broken_exporter_configuration_leaves_tracing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsampled_parent_is_not_exported() -> None:
+    assert build_spans([record(flags=0)], None, None) == []
+    assert len(build_spans([record(flags=1)], None, None)) == 1
+
+
+def test_broken_protocol_leaves_tracing_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon")
-    tracer = telemetry.get_tracer(
+    monkeypatch.delenv(telemetry.PROTOCOL_ENV, raising=False)
+    writer = telemetry.get_span_writer(
         process_kind="scheduler", engine_id="e", role="prefill", vllm_endpoint=None, enabled=True
     )
-    assert isinstance(tracer, trace.NoOpTracer)
+    assert isinstance(writer, NullWriter)
+
+
+def test_a_dead_exporter_process_costs_drops_not_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    writer = ProcessWriter({}, capacity=100)
+    writer._proc.kill()
+    writer._proc.wait()
+    started = time.monotonic()
+    for i in range(1000):
+        writer.emit(record(span_id=i + 1))
+        if i % 100 == 0:
+            writer._wake.set()
+            time.sleep(0.05)
+    assert time.monotonic() - started < 10
+    writer.flush(2.0)
+    assert writer.dropped >= 900
+    writer.close()
