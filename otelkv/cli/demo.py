@@ -109,7 +109,7 @@ def _rows(turns: list[TurnSummary], ttl_s: float) -> list[list[Any]]:
 
 def run_demo(args: argparse.Namespace) -> int:
     from otelkv.fleet import metrics as prom
-    from otelkv.fleet.fleet import Fleet, FleetConfig
+    from otelkv.fleet.fleet import WARMUP_CONVERSATION, Fleet, FleetConfig
 
     ttl = float(args.ttl)
     config = FleetConfig(decoder_ttl_s=ttl, workdir=Path(args.workdir) if args.workdir else None)
@@ -148,7 +148,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with spans_path.open("w") as fh:
             for span in spans:
                 fh.write(json.dumps(dataclasses.asdict(span), default=str) + "\n")
-        turns = summarize_turns(spans)
+        turns = [t for t in summarize_turns(spans) if t.conversation_id != WARMUP_CONVERSATION]
         if args.json:
             json.dump([dataclasses.asdict(t) for t in turns], sys.stdout, indent=2, default=str)
             print()

@@ -30,6 +30,8 @@ from otelkv.fleet.span_sink import SpanSink
 
 logger = logging.getLogger("otelkv.fleet")
 
+WARMUP_CONVERSATION = "otelkv-fleet-warmup"
+
 DEFAULT_MODEL_DIR = Path(os.environ.get("OTELKV_MODEL_DIR", Path.home() / ".cache" / "otelkv" / "tiny-llama"))
 
 
@@ -61,6 +63,10 @@ class FleetConfig:
     engine_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 420.0
     router_port: int = 0
+    warmup: bool = True
+    """Run one short conversation before handing the fleet over, so the NIXL handshakes
+    (prefill->decode and decode->prefill) happen while the machine is quiet: vLLM gives a
+    handshake reply 5 s, which a loaded 2-core machine can miss (the request then fails)."""
 
     def effective_router_ttl(self) -> float | None:
         if self.router_handle_ttl_s is None:
@@ -82,6 +88,7 @@ class Fleet:
         self.router: PDRouter | None = None
         self._provider: Any = None
         self.tracer: trace.Tracer | None = None
+        self.warmup_turns: list[Any] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,6 +158,20 @@ class Fleet:
             stream_decode=cfg.stream_decode,
             tracer=self.tracer if cfg.trace_router else None,
         ).start(cfg.router_port)
+        if cfg.warmup:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        from otelkv.fleet.agent import Conversation, Turn
+
+        conversation = Conversation(
+            WARMUP_CONVERSATION,
+            [Turn("warm up the engines please", 40), Turn("and read back the blocks", 8, pause_s=0.2)],
+        )
+        (self.warmup_turns,) = self.driver().run_sync([conversation])
+        failed = [t for t in self.warmup_turns if not t.ok]
+        if failed:
+            logger.warning("fleet warm-up turn failed (%s); continuing", failed[0].error)
 
     def stop(self) -> None:
         for closer in (

@@ -84,10 +84,11 @@ def test_every_turn_after_the_first_pulls_from_decode(
         p, d = prefill.attributes, decode.attributes
 
         # P and D spans of one request join by base request id (and vLLM's own id key).
-        assert p[names.BASE_REQUEST_ID] == d[names.BASE_REQUEST_ID]
-        assert p[names.GEN_AI_REQUEST_ID] == p[names.BASE_REQUEST_ID]
+        assert p[names.GEN_AI_REQUEST_ID] == d[names.GEN_AI_REQUEST_ID]
+        assert p[names.REQUEST_ID].startswith(p[names.GEN_AI_REQUEST_ID] + "-")
         assert p[names.GEN_AI_CONVERSATION_ID] == d[names.GEN_AI_CONVERSATION_ID] == "conv-pulls"
-        assert p[names.ENGINE_ID] == "prefill-0" and d[names.ENGINE_ID] == "decode-0"
+        assert prefill.resource[names.ENGINE_ID] == "prefill-0"
+        assert decode.resource[names.ENGINE_ID] == "decode-0"
         # The engine spans hang under the router's legs, which hang under the agent's turn.
         legs = {s.span_id: s.name for s in spans if s.name.startswith("router_leg")}
         assert legs[prefill.parent_span_id] == "router_leg prefill"
@@ -116,6 +117,8 @@ def test_every_turn_after_the_first_pulls_from_decode(
             assert p[names.TOKENS_PULLED] > 0
             assert p[names.TOKENS_REMOTE_REUSABLE] >= THRESHOLD
             assert p[names.KV_RECOMPUTE_THRESHOLD] == THRESHOLD
+            assert prefill.resource[names.KV_RECOMPUTE_THRESHOLD] == THRESHOLD
+            assert prefill.resource[names.DECODER_KV_BLOCKS_TTL] == TTL_S
             (p_read,) = children(spans, prefill, "kv_transfer")
             assert p_read.name == "kv_transfer D->P"
             assert p_read.attributes[names.TRANSFER_BYTES] > 0

@@ -62,7 +62,8 @@ def test_no_pulls_and_no_decode_handle(fleet: Fleet, turns: list[TurnResult]) ->
             names.REASON_NO_DECODE_HANDLE,
         )
         assert p[names.TOKENS_PULLED] == 0
-        assert p[names.BIDIRECTIONAL_KV_XFER] is False and d[names.BIDIRECTIONAL_KV_XFER] is False
+        assert prefill.resource[names.BIDIRECTIONAL_KV_XFER] is False
+        assert decode.resource[names.BIDIRECTIONAL_KV_XFER] is False
         # The decode node handed back no kv_transfer_params, so the router had nothing to keep.
         assert d[names.KV_PARAMS_RETURNED] is False
         assert children(spans, decode, "kv_retention") == []
@@ -80,7 +81,7 @@ def test_metrics_show_no_pulls(fleet: Fleet, turns: list[TurnResult]) -> None:
     time.sleep(1.0)
     p_text = fleet.prefill.metrics_text()
     decisions = prom.by_label(p_text, "otelkv_pull_decisions_total", "reason")
-    assert decisions == {names.REASON_NO_DECODE_HANDLE: len(turns)}
+    assert decisions == {names.REASON_NO_DECODE_HANDLE: len(turns) + len(fleet.warmup_turns)}
     assert prom.total(p_text, "otelkv_kv_transfer_bytes_total") == 0
     assert prom.total(fleet.decode.metrics_text(), "otelkv_kv_retentions_total", {"kind": "decode_ttl"}) == 0
 

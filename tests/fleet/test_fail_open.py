@@ -30,6 +30,8 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 
 
 def test_requests_and_pulls_go_on_while_every_observer_raises(fleet: Fleet) -> None:
+    assert fleet.prefill is not None and fleet.decode is not None and fleet.sink is not None
+    pulled_before = prom.total(fleet.prefill.metrics_text(), "vllm:nixl_bytes_transferred_sum")
     conversation = Conversation(
         "conv-faults",
         [
@@ -42,12 +44,10 @@ def test_requests_and_pulls_go_on_while_every_observer_raises(fleet: Fleet) -> N
     assert [t.status for t in turns] == [200, 200, 200], [t.error for t in turns]
     assert all(t.completion_tokens == n for t, n in zip(turns, (80, 80, 16), strict=True))
 
-    assert fleet.prefill is not None and fleet.decode is not None and fleet.sink is not None
     time.sleep(2.0)
     p_text, d_text = fleet.prefill.metrics_text(), fleet.decode.metrics_text()
-    # vLLM itself still reverse-pulled: its own counters saw D->P reads on the prefill node.
-    assert prom.total(p_text, "vllm:nixl_bytes_transferred_sum") > 0
-    assert prom.total(p_text, "vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}) > 0
+    # vLLM itself still reverse-pulled: its own counters saw this conversation's D->P reads.
+    assert prom.total(p_text, "vllm:nixl_bytes_transferred_sum") > pulled_before
 
     # Every failure was counted, per site, in vLLM's /metrics.
     p_errors = prom.by_label(p_text, "otelkv_instrumentation_errors_total", "site")
