@@ -1,0 +1,162 @@
+"""CPU cost of the instrumented connector's hooks, otelkv on vs off, side by side.
+
+    .venv/bin/python bench/hook_cost.py [--requests 2000] [--repeats 7]
+
+Drives the real ``OtelKVConnector`` (scheduler role, as in vLLM's EngineCore) around an
+inner connector that does nothing, through the hooks vLLM calls for one P/D request:
+arrival, matching, allocation, a finished KV load with transfer telemetry, finish with a
+retention, the retention's release, plus two engine steps. Spans go the production way:
+records to otelkv's exporter process, which builds and OTLP-encodes them and posts them
+to a receiver running in another process. The same loop runs with
+``otelkv_enabled=false`` (the wrapper forwarding straight through) in alternating
+repeats, so machine noise hits both alike.
+
+Prints, per request: CPU of this process (where vLLM's scheduler loop would run) for
+each arm and the difference; the exporter process's CPU (off the engine's core); and the
+difference as a share of a prefill request's engine time (``--engine-ms``, default 60 ms:
+the tiny model's prefill on this CPU; GPU prefills of long prompts take as long or
+longer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput
+
+from otelkv import names
+from otelkv.engine import telemetry
+from otelkv.engine.connector import OtelKVConnector
+from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord
+from tests.unit import fakes
+
+SINK = (
+    "import sys, time; from otelkv.fleet.span_sink import SpanSink; s = SpanSink(capacity=1000).start(); "
+    "print(s.port, flush=True); sys.stdin.read()"
+)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def make_connector(enabled: bool) -> OtelKVConnector:
+    telemetry.reset_for_tests()
+    config = fakes.vllm_config({names.CONFIG_ENABLED: enabled})
+    return OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
+
+
+HANDLE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_block_ids": [[4, 5, 6, 7]],
+    "remote_engine_id": "decode-0",
+    "remote_request_id": "chatcmpl-prev-0badf00d",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "remote_num_tokens": 130,
+}
+
+
+def run(connector: OtelKVConnector, requests: int) -> float:
+    fakes.RETURNS.update(
+        {
+            "get_num_new_matched_tokens": (98, True),
+            "request_finished_all_groups": (True, None),
+            "get_kv_connector_stats": None,
+        }
+    )
+    status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    started = time.process_time()
+    for i in range(requests):
+        rid = f"chatcmpl-{i:08x}-12345678"
+        request = SimpleNamespace(
+            request_id=rid,
+            kv_transfer_params=dict(HANDLE),
+            trace_headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+            session_id="conv-1",
+            num_prompt_tokens=150,
+            num_output_tokens=1,
+            status=status,
+        )
+        connector.on_new_request(request)  # type: ignore[arg-type]
+        connector.get_num_new_matched_tokens(request, 32)  # type: ignore[arg-type]
+        connector.update_state_after_alloc(request, None, 98)  # type: ignore[arg-type]
+        connector.build_connector_meta(None)  # type: ignore[arg-type]
+        record = TransferRecord(rid, "ok", bytes=262144, descriptors=2, handles=1, xfer_s=0.01, post_s=0.001)
+        meta = OtelKVWorkerMeta(transfers={rid: record})
+        connector.update_connector_output(
+            KVConnectorOutput(finished_recving={rid}, kv_connector_worker_meta=meta)
+        )
+        connector.get_kv_connector_stats()
+        connector.request_finished_all_groups(request, ([1, 2, 3, 4, 5],))  # type: ignore[arg-type]
+        connector.update_connector_output(KVConnectorOutput(finished_sending={rid}))
+        connector.get_kv_connector_stats()
+    telemetry.flush()  # includes pickling the records into the pipe (a thread of this process)
+    return (time.process_time() - started) / requests * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--engine-ms", type=float, default=60.0, help="engine time of one request (ms)")
+    args = parser.parse_args(argv)
+
+    sink = subprocess.Popen(
+        [sys.executable, "-c", SINK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert sink.stdout is not None
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = (
+        f"http://127.0.0.1:{sink.stdout.readline().strip()}/v1/traces"
+    )
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+    on_us: list[float] = []
+    off_us: list[float] = []
+    exporter_us: list[float] = []
+    try:
+        for repeat in range(args.repeats):
+            for enabled in (True, False) if repeat % 2 == 0 else (False, True):
+                fakes.reset()
+                connector = make_connector(enabled)
+                writer = connector._sched._writer if connector._sched else None  # type: ignore[union-attr]
+                child = getattr(getattr(writer, "_proc", None), "pid", None)
+                child_before = cpu_seconds(child) if child else 0.0
+                (on_us if enabled else off_us).append(run(connector, args.requests))
+                if child:
+                    time.sleep(1.0)  # let the exporter process finish the last batch
+                    exporter_us.append((cpu_seconds(child) - child_before) / args.requests * 1e6)
+                telemetry.reset_for_tests()
+    finally:
+        sink.kill()
+    on, off = statistics.median(on_us), statistics.median(off_us)
+    added = on - off
+    print(f"CPU per P/D request through the hooks (median of {args.repeats} x {args.requests} requests):")
+    print(f"  engine process, otelkv off (pure forwarding) {off:8.1f} us")
+    print(f"  engine process, otelkv on                    {on:8.1f} us")
+    print(f"  added on the engine's process                {added:8.1f} us per request (3 spans recorded)")
+    print(
+        f"  otelkv's exporter process (another core)     {statistics.median(exporter_us):8.1f} us per request"
+    )
+    print(
+        f"  engine-side share of a {args.engine_ms:g} ms engine request: {added / (args.engine_ms * 1000):.4%}"
+        f"  (ratio {1 + added / (args.engine_ms * 1000):.5f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
