@@ -1,6 +1,6 @@
 """Overhead of the instrumented connector: the same workload, plain vs otelkv, alternating.
 
-    .venv/bin/python bench/connector_overhead.py [--rounds 2] [--conversations 2] [--turns 8]
+    .venv/bin/python bench/connector_overhead.py [--rounds 2] [--conversations 1] [--turns 12]
 
 Runs the reference fleet with vLLM's plain NixlConnector (A) and with otelkv's (B) in
 ABBA order (ABBAABBA... for more rounds), so slow drift of a noisy machine hits both
@@ -99,9 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per arm (default 2)")
-    parser.add_argument("--conversations", type=int, default=2, help="concurrent conversations (default 2)")
-    parser.add_argument("--turns", type=int, default=8, help="turns per conversation (default 8)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per turn (default 48)")
+    parser.add_argument("--conversations", type=int, default=1, help="concurrent conversations (default 1)")
+    parser.add_argument("--turns", type=int, default=12, help="turns per conversation (default 12)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=96,
+        help="tokens generated per turn (default 96: enough that the next turn's reusable "
+        "tokens clear kv_recompute_threshold=64, so turns pull)",
+    )
     parser.add_argument("--out", default="bench/results", help="directory for the JSON record")
     args = parser.parse_args(argv)
 

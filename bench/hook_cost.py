@@ -57,16 +57,7 @@ def make_connector(enabled: bool) -> OtelKVConnector:
     return OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
 
 
-HANDLE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_block_ids": [[4, 5, 6, 7]],
-    "remote_engine_id": "decode-0",
-    "remote_request_id": "chatcmpl-prev-0badf00d",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5601,
-    "remote_num_tokens": 130,
-}
+HANDLE = fakes.DECODE_HANDLE
 
 
 def run(connector: OtelKVConnector, requests: int) -> float:
@@ -151,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  otelkv's exporter process (another core)     {statistics.median(exporter_us):8.1f} us per request"
     )
+    share = added / (args.engine_ms * 1000)
     print(
-        f"  engine-side share of a {args.engine_ms:g} ms engine request: {added / (args.engine_ms * 1000):.4%}"
-        f"  (ratio {1 + added / (args.engine_ms * 1000):.5f})"
+        f"  engine-side share of a {args.engine_ms:g} ms engine request: {share:.4%}  (ratio {1 + share:.5f})"
     )
     return 0
 

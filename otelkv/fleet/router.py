@@ -288,11 +288,7 @@ class PDRouter:
         self.stats.prefill_seconds.append(time.perf_counter() - started)
         if status != 200 or not isinstance(prefill, dict):
             self.stats.prefill_errors += 1
-            span.set_status(Status(StatusCode.ERROR, f"prefill returned {status}"))
-            span.set_attribute(names.HTTP_STATUS, status)
-            return web.json_response(
-                prefill if isinstance(prefill, dict) else {"error": {"message": str(prefill)}}, status=status
-            )
+            return _leg_failed(names.ROLE_PREFILL, status, prefill, span)
 
         decode_body = dict(body)
         p_kv = prefill.get("kv_transfer_params")
@@ -306,11 +302,7 @@ class PDRouter:
         status, decoded = await self._leg(names.ROLE_DECODE, path, decode_body, request_id, conversation_id)
         if status != 200 or not isinstance(decoded, dict):
             self.stats.decode_errors += 1
-            span.set_status(Status(StatusCode.ERROR, f"decode returned {status}"))
-            span.set_attribute(names.HTTP_STATUS, status)
-            return web.json_response(
-                decoded if isinstance(decoded, dict) else {"error": {"message": str(decoded)}}, status=status
-            )
+            return _leg_failed(names.ROLE_DECODE, status, decoded, span)
         d_kv = decoded.pop("kv_transfer_params", None)
         if d_kv and conversation_id:
             self.handles.put(conversation_id, dict(d_kv, remote_host=self.engine_host))
@@ -366,6 +358,16 @@ class PDRouter:
                     await out.write(chunk)
                 await out.write_eof()
                 return out
+
+
+def _leg_failed(role: str, status: int, body: Any, span: trace.Span) -> web.Response:
+    """Hand an engine's error to the client with its status (a 200 without JSON: 502)."""
+    if status == 200:
+        status = 502
+    span.set_status(Status(StatusCode.ERROR, f"{role} returned {status}"))
+    span.set_attribute(names.HTTP_STATUS, status)
+    payload = body if isinstance(body, dict) else {"error": {"message": f"{role} engine: {body}"}}
+    return web.json_response(payload, status=status)
 
 
 async def _reemit_as_sse(

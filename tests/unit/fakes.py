@@ -128,6 +128,19 @@ for _name in CLASS_HOOKS:
 RecordingConnector.__abstractmethods__ = frozenset()
 
 
+DECODE_HANDLE: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_block_ids": [[4, 5, 6, 7]],
+    "remote_engine_id": "decode-0",
+    "remote_request_id": "chatcmpl-prev-0badf00d",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "remote_num_tokens": 130,
+}
+"""A decode node's handle as the router forwards it to the next turn's prefill."""
+
+
 def vllm_config(extra: dict[str, Any] | None = None, *, kv_role: str = "kv_producer") -> Any:
     """A duck-typed VllmConfig with just what the connector reads."""
     extra_config = {

@@ -20,19 +20,11 @@ from otelkv.engine.guard import ErrorLedger
 from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord
 from otelkv.engine.scheduler_observer import SchedulerObserver, base_request_id, engine_resource_attributes
 from otelkv.engine.span_export import InProcessWriter
+from tests.unit import fakes
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
-HANDLE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_block_ids": [[4, 5, 6, 7]],
-    "remote_engine_id": "decode-0",
-    "remote_request_id": "chatcmpl-prev-0badf00d",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5601,
-    "remote_num_tokens": 130,
-}
+HANDLE = fakes.DECODE_HANDLE
 
 
 def make_observer(**settings: Any) -> tuple[SchedulerObserver, InMemorySpanExporter]:
