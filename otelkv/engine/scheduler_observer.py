@@ -2,8 +2,10 @@
 
 The scheduler-side connector is the one place that sees a request from arrival to the
 release of its blocks, with its trace context (``request.trace_headers``) and
-conversation id (``request.session_id``). All engine spans are created here; the worker
-side only measures transfers and sends the numbers up (``OtelKVWorkerMeta``).
+conversation id (``request.session_id``). All engine spans are recorded here - as flat
+tuples, built and exported by otelkv's exporter process (:mod:`otelkv.engine.span_export`)
+- while the worker side only measures transfers and sends the numbers up
+(``OtelKVWorkerMeta``).
 
 Per request at most three spans: ``kv_request {role}`` (arrival to finish),
 ``kv_transfer {direction}`` (waiting for remote KV until the load is reported) and
