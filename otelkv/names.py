@@ -83,8 +83,9 @@ GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: Final = "gen_ai.usage.cache_read.input_tok
 GEN_AI_TOOL_NAME: Final = "gen_ai.tool.name"
 GEN_AI_REQUEST_ID: Final = "gen_ai.request.id"
 """Not in the GenAI registry: vLLM's own ``llm_request`` span uses it for the external
-request id (``chatcmpl-...``). otelkv sets it to the same value, so its engine spans join
-vLLM-native spans on one key."""
+request id (``chatcmpl-...``). otelkv sets it to the same value - vLLM's internal id
+without its 8-hex suffix, identical on the prefill and the decode node for one routed
+request - so P and D spans, and vLLM-native spans, join on one key."""
 ERROR_TYPE: Final = "error.type"
 
 PROVIDER_VLLM: Final = "vllm"
@@ -99,8 +100,6 @@ ENGINE_ID: Final = "otelkv.engine_id"
 """vLLM ``kv_transfer_config.engine_id`` of the engine that emitted the span."""
 REQUEST_ID: Final = "otelkv.request_id"
 """vLLM's internal request id (external id plus an 8-hex suffix)."""
-BASE_REQUEST_ID: Final = "otelkv.base_request_id"
-"""Internal id without the suffix; identical on P and D for one routed request."""
 KV_CONNECTOR: Final = "otelkv.kv_connector"
 """Class name of the wrapped (inner) connector."""
 

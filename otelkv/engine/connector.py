@@ -327,7 +327,11 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
             return self._inner.shutdown()
         finally:
             if self._sched is not None:
-                self._sched.shutdown()
+                self._sched.shutdown()  # guarded: ends open retentions as dropped
+                try:
+                    telemetry.flush(timeout_s=2.0)  # hand queued spans to the exporter
+                except Exception:  # noqa: BLE001 - shutdown must complete regardless
+                    logger.debug("otelkv: span flush at shutdown failed", exc_info=True)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         inner_stats = self._inner.get_kv_connector_stats()

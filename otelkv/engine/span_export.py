@@ -204,9 +204,7 @@ class ProcessWriter:
 
 def _plain(attributes: dict[str, Any]) -> dict[str, Any]:
     """Attribute values marshal can carry (str, int, float, bool; anything else as str)."""
-    return {
-        str(k): v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in attributes.items()
-    }
+    return {str(k): v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in attributes.items()}
 
 
 # ------------------------------------------------------------------ exporter process
