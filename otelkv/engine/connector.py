@@ -330,7 +330,7 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._sched.shutdown()  # guarded: ends open retentions as dropped
                 try:
                     telemetry.flush(timeout_s=2.0)  # hand queued spans to the exporter
-                except Exception:  # noqa: BLE001 - shutdown must complete regardless
+                except Exception:
                     logger.debug("otelkv: span flush at shutdown failed", exc_info=True)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
