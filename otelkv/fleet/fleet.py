@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +211,6 @@ class Fleet:
     def flush_spans(self) -> None:
         if self._provider is not None:
             self._provider.force_flush()
-
-    def with_config(self, **changes: Any) -> FleetConfig:
-        return replace(self.config, **changes)
 
 
 def _fleet_tracer(endpoint: str) -> tuple[Any, trace.Tracer]:
