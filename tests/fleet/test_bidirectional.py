@@ -162,9 +162,20 @@ def test_retention_of_a_read_turn_ends_consumed(fleet: Fleet, results: dict[str,
     # Each of these turns was read by the next one. vLLM handles the reader's release
     # notification on its next engine step, so on an idle decode node a read retention can
     # still run to the TTL (otelkv then says expired, as vLLM's log does); most are consumed.
-    consumed = [r for r in retentions if r.attributes[names.RETENTION_OUTCOME] == names.RETENTION_CONSUMED]
-    assert consumed
-    assert all(0 < r.attributes[names.RETENTION_HELD_SECONDS] < TTL_S - 5 for r in consumed)
+    outcomes = [r.attributes[names.RETENTION_OUTCOME] for r in retentions]
+    assert names.RETENTION_CONSUMED in outcomes, outcomes
+    for retention, next_turn in zip(retentions, results["conv-pulls"][1:], strict=True):
+        if retention.attributes[names.RETENTION_OUTCOME] != names.RETENTION_CONSUMED:
+            continue
+        held = retention.attributes[names.RETENTION_HELD_SECONDS]
+        # Consumed means released before the deadline, and only after the next turn's
+        # prefill node posted its read of exactly these blocks (how long the read waited
+        # on a loaded machine varies, so no tighter bound holds).
+        assert 0 < held <= TTL_S + 0.5
+        assert abs(held - retention.duration_s) < 0.05
+        spans = wait_for_turn(fleet.sink, next_turn.trace_id)
+        (p_read,) = children(spans, engine_request(spans, names.ROLE_PREFILL), "kv_transfer")
+        assert retention.end_ns >= p_read.start_ns
 
 
 def test_pause_longer_than_ttl_expires_the_retention_and_fails_the_next_turn(
