@@ -1,0 +1,147 @@
+"""The SQL the analysis needs, parameterised, for chDB and a fleet ClickHouse alike.
+
+Every value is a ClickHouse ``{name:Type}`` parameter; only the database identifier (checked
+by :func:`otelkv.store.schema.quote_ident`) is formatted into the text. Results come back
+as :class:`SpanRecord` with string attribute values (see :mod:`otelkv.store.rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from otelkv import names
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.store import schema
+from otelkv.store.base import TraceStore
+from otelkv.store.rows import SPAN_SELECT, row_to_span
+
+TURN_NAME_LIKE = "chat %"
+TOOL_NAME_LIKE = "execute_tool%"
+
+
+def _tables(store: TraceStore) -> tuple[str, str]:
+    db = schema.quote_ident(getattr(store, "database", "otel"))
+    traces = f"{db}.{schema.quote_ident(schema.TRACES_TABLE)}"
+    return traces, f"{db}.{schema.quote_ident(schema.TRACE_ID_TS_TABLE)}"
+
+
+def _spans(store: TraceStore, sql: str, params: dict[str, Any]) -> list[SpanRecord]:
+    return [row_to_span(row) for row in store.query(sql, params)]
+
+
+def turn_spans(
+    store: TraceStore,
+    *,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+    limit: int | None = 20,
+    slowest_first: bool = True,
+    conversation_id: str | None = None,
+) -> list[SpanRecord]:
+    """Turn spans (``chat {model}`` with ``otelkv.turn.index``) in ``[since_ns, until_ns)``.
+
+    Slowest first by ``otelkv.turn.total_s`` (the span's duration when that is absent or 0);
+    with ``conversation_id``, that conversation's turns in time order instead. ``limit=None``
+    returns all.
+    """
+    table, _ = _tables(store)
+    where = ["SpanName LIKE {turn_like:String}", "mapContains(SpanAttributes, {turn_index_key:String})"]
+    params: dict[str, Any] = {"turn_like": TURN_NAME_LIKE, "turn_index_key": names.TURN_INDEX}
+    if since_ns is not None:
+        where.append("Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})")
+        params["since_ns"] = int(since_ns)
+    if until_ns is not None:
+        where.append("Timestamp < fromUnixTimestamp64Nano({until_ns:Int64})")
+        params["until_ns"] = int(until_ns)
+    if conversation_id is not None:
+        where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
+        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
+        order = "Timestamp ASC, SpanId"
+    else:
+        params["total_key"] = names.TURN_TOTAL_SECONDS
+        total = "toFloat64OrZero(SpanAttributes[{total_key:String}])"
+        latency = f"if({total} > 0, {total}, Duration / 1e9)"
+        order = f"{latency} {'DESC' if slowest_first else 'ASC'}, Timestamp ASC"
+    sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY {order}"
+    if limit is not None:
+        sql += "\nLIMIT {limit:UInt64}"
+        params["limit"] = max(0, int(limit))
+    return _spans(store, sql, params)
+
+
+def trace_spans(store: TraceStore, trace_ids: Sequence[str]) -> list[SpanRecord]:
+    """Every span of ``trace_ids``, in start order.
+
+    Like the Grafana ClickHouse plugin's trace query, the time range comes from
+    ``otel_traces_trace_id_ts`` first, so the big table is read only in the partitions the
+    traces live in. Traces missing from the lookup (rows inserted before the view existed)
+    fall back to an unbounded scan rather than vanish.
+    """
+    ids = sorted({t for t in trace_ids if t})
+    if not ids:
+        return []
+    table, lookup = _tables(store)
+    sql = f"""\
+WITH
+    (SELECT minOrNull(Start) FROM {lookup} WHERE TraceId IN {{trace_ids:Array(String)}}) AS trace_start,
+    (SELECT maxOrNull(End) + 1 FROM {lookup} WHERE TraceId IN {{trace_ids:Array(String)}}) AS trace_end,
+    (SELECT uniqExact(TraceId) FROM {lookup} WHERE TraceId IN {{trace_ids:Array(String)}}) AS known
+SELECT {SPAN_SELECT}
+FROM {table}
+WHERE TraceId IN {{trace_ids:Array(String)}}
+  AND (known < {{n_ids:UInt64}} OR (Timestamp >= trace_start AND Timestamp <= trace_end))
+ORDER BY Timestamp ASC, SpanId"""
+    return _spans(store, sql, {"trace_ids": ids, "n_ids": len(ids)})
+
+
+def tool_spans(
+    store: TraceStore, *, since_ns: int, until_ns: int, conversation_id: str | None = None
+) -> list[SpanRecord]:
+    """``execute_tool {name}`` spans overlapping ``[since_ns, until_ns]``, in start order."""
+    table, _ = _tables(store)
+    where = [
+        "SpanName LIKE {tool_like:String}",
+        "Timestamp <= fromUnixTimestamp64Nano({until_ns:Int64})",
+        "toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {since_ns:Int64}",
+    ]
+    params: dict[str, Any] = {
+        "tool_like": TOOL_NAME_LIKE,
+        "since_ns": int(since_ns),
+        "until_ns": int(until_ns),
+    }
+    if conversation_id is not None:
+        where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
+        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
+    sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
+    return _spans(store, sql, params)
+
+
+def find_turn(store: TraceStore, conversation_id: str, index: int) -> SpanRecord | None:
+    """Turn ``index`` of a conversation; the sidecar's span (scope ``otelkv.sidecar``) wins."""
+    table, _ = _tables(store)
+    sql = f"""\
+SELECT {SPAN_SELECT}
+FROM {table}
+WHERE SpanName LIKE {{turn_like:String}}
+  AND SpanAttributes[{{conv_key:String}}] = {{conversation_id:String}}
+  AND SpanAttributes[{{turn_index_key:String}}] = toString({{index:Int64}})
+ORDER BY ScopeName = {{sidecar_scope:String}} DESC, Timestamp ASC
+LIMIT 1"""
+    params = {
+        "turn_like": TURN_NAME_LIKE,
+        "conv_key": names.GEN_AI_CONVERSATION_ID,
+        "conversation_id": conversation_id,
+        "turn_index_key": names.TURN_INDEX,
+        "index": int(index),
+        "sidecar_scope": names.SCOPE_SIDECAR,
+    }
+    spans = _spans(store, sql, params)
+    return spans[0] if spans else None
+
+
+def count_spans(store: TraceStore) -> int:
+    """Rows in ``otel_traces``."""
+    table, _ = _tables(store)
+    rows = store.query(f"SELECT count() AS n FROM {table}")
+    return int(rows[0]["n"]) if rows else 0

@@ -1,0 +1,183 @@
+"""Background batching between span receivers and a trace store.
+
+Requests must never wait for the store: :meth:`BatchWriter.submit` only appends to a
+bounded in-memory queue (O(1), never blocks) and a daemon thread drains it into
+``store.insert_spans`` in batches. When the queue is full the *new* spans are dropped and
+counted (what is queued is older and already paid for); when the store fails the batch is
+dropped, counted, logged at most once a minute, and the writer carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.store.base import TraceStore
+
+log = logging.getLogger(__name__)
+
+DROP_QUEUE_FULL = "queue_full"
+DROP_STORE_ERROR = "store_error"
+_LOG_EVERY_S = 60.0
+
+
+class BatchWriter:
+    """Bounded, non-blocking span queue drained into a :class:`TraceStore` by one thread."""
+
+    def __init__(
+        self,
+        store: TraceStore,
+        *,
+        max_queue_spans: int = 100_000,
+        batch_spans: int = 5000,
+        flush_interval_s: float = 0.5,
+        on_drop: Callable[[str, int], None] | None = None,
+    ) -> None:
+        if max_queue_spans < 1 or batch_spans < 1:
+            raise ValueError("max_queue_spans and batch_spans must be >= 1")
+        self.store = store
+        self.max_queue_spans = max_queue_spans
+        self.batch_spans = batch_spans
+        self.flush_interval_s = flush_interval_s
+        self.on_drop = on_drop
+        self._queue: deque[Sequence[SpanRecord]] = deque()
+        self._queued = 0
+        self._in_flight = 0
+        self._written = 0
+        self._dropped_full = 0
+        self._dropped_error = 0
+        self._batches = 0
+        self._last_error_log = -_LOG_EVERY_S
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="otelkv-store-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ producers
+
+    def submit(self, spans: Sequence[SpanRecord]) -> bool:
+        """Queue ``spans``; False (and counted as dropped) when the queue is full or closed."""
+        n = len(spans)
+        if n == 0:
+            return True
+        with self._cond:
+            if self._closing or self._queued + n > self.max_queue_spans:
+                self._dropped_full += n
+                accepted = False
+            else:
+                self._queue.append(spans)
+                self._queued += n
+                accepted = True
+                if self._queued >= self.batch_spans:
+                    self._cond.notify()
+        if not accepted:
+            self._report_drop(DROP_QUEUE_FULL, n)
+        return accepted
+
+    def flush(self, timeout: float | None = 5.0) -> bool:
+        """Wait until everything submitted so far is written (or dropped); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._cond.notify_all()
+            while self._queued or self._in_flight:
+                if not self._thread.is_alive():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining if remaining is None else min(remaining, 0.1))
+                self._cond.notify_all()
+        return True
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Write what is queued, then stop the thread; later submits are dropped. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "queued": self._queued + self._in_flight,
+                "written": self._written,
+                "dropped_queue_full": self._dropped_full,
+                "dropped_store_error": self._dropped_error,
+                "batches": self._batches,
+            }
+
+    # ------------------------------------------------------------------ the thread
+
+    def _take(self) -> list[SpanRecord]:
+        """Up to ``batch_spans`` spans off the queue (whole submissions, split if needed)."""
+        batch: list[SpanRecord] = []
+        while self._queue and len(batch) < self.batch_spans:
+            head = self._queue[0]
+            room = self.batch_spans - len(batch)
+            if len(head) <= room:
+                self._queue.popleft()
+                batch.extend(head)
+            else:
+                batch.extend(head[:room])
+                self._queue[0] = head[room:]
+        self._queued -= len(batch)
+        self._in_flight = len(batch)
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._closing and self._queued < self.batch_spans:
+                    self._cond.wait(self.flush_interval_s)
+                if self._closing and not self._queued:
+                    self._cond.notify_all()
+                    return
+                batch = self._take()
+            if batch:
+                self._write(batch)
+            with self._cond:
+                self._in_flight = 0
+                self._cond.notify_all()
+
+    def _write(self, batch: list[SpanRecord]) -> None:
+        try:
+            written = self.store.insert_spans(batch)
+        except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
+            with self._cond:
+                self._dropped_error += len(batch)
+            now = time.monotonic()
+            if now - self._last_error_log >= _LOG_EVERY_S:
+                self._last_error_log = now
+                log.warning(
+                    "trace store %s rejected %d spans (%s); dropping them and carrying on "
+                    "(logged at most once a minute)",
+                    _describe(self.store),
+                    len(batch),
+                    exc,
+                )
+            self._report_drop(DROP_STORE_ERROR, len(batch))
+            return
+        with self._cond:
+            self._written += written
+            self._batches += 1
+
+    def _report_drop(self, reason: str, n: int) -> None:
+        if self.on_drop is None:
+            return
+        try:
+            self.on_drop(reason, n)
+        except Exception:  # a metrics callback must not break the writer
+            log.debug("on_drop callback failed", exc_info=True)
+
+
+def _describe(store: TraceStore) -> str:
+    try:
+        return store.describe()
+    except Exception:  # noqa: BLE001
+        return type(store).__name__

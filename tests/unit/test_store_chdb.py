@@ -1,0 +1,275 @@
+"""The embedded chDB store, for real: spans in a temporary directory, read back through the
+same SQL a fleet ClickHouse would run (no mocks, chDB is the engine).
+
+Timestamps are "now": the table's TTL with ``ttl_only_drop_parts`` drops parts older than
+the retention as soon as they are written.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from otelkv import names
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.store import StoreError, open_store, queries
+from otelkv.store.chdb_store import ChdbStore
+from otelkv.store.rows import attr_bool, attr_float, attr_int
+
+NOW = time.time_ns() - 3_600 * 10**9
+SEC = 10**9
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ChdbStore]:
+    s = ChdbStore(tmp_path / "traces")
+    yield s
+    s.close()
+
+
+def span(
+    trace: str,
+    sid: str,
+    name: str,
+    start: int,
+    dur_s: float,
+    attrs: dict | None = None,
+    *,
+    scope: str = "otelkv.fleet",
+    parent: str = "",
+) -> SpanRecord:
+    return SpanRecord(
+        trace_id=trace.ljust(32, "0"),
+        span_id=sid.ljust(16, "0"),
+        parent_span_id=parent.ljust(16, "0") if parent else "",
+        name=name,
+        kind="Internal",
+        start_ns=start,
+        end_ns=start + int(dur_s * SEC),
+        attributes=dict(attrs or {}),
+        resource={"service.name": "agent", "host.name": "h1"},
+        scope_name=scope,
+    )
+
+
+def turn(
+    conv: str, index: int, start: int, dur_s: float, total_s: float | None, trace: str, **kw
+) -> SpanRecord:
+    attrs = {names.GEN_AI_CONVERSATION_ID: conv, names.TURN_INDEX: index}
+    if total_s is not None:
+        attrs[names.TURN_TOTAL_SECONDS] = total_s
+    return span(trace, f"{trace}{index}", "chat tiny", start, dur_s, attrs, **kw)
+
+
+HOSTILE = {
+    "quote": 'it\'s "quoted" `back`',
+    "backslash": "C:\\path\\n\\t not escapes \\",
+    "newline": "line1\nline2\r\n\ttab",
+    "emoji": "😀 héllo 中文",
+    "control": "nul\x00 bell\x07 esc\x1b del\x7f",
+    "sql": "'); DROP TABLE otel.otel_traces; --",
+    "huge": "x" * 300_000,
+    "json_like": '{"a": [1, 2]}',
+}
+
+
+def test_round_trip_with_hostile_strings(store: ChdbStore) -> None:
+    original = SpanRecord(
+        trace_id="ab" * 16,
+        span_id="cd" * 8,
+        parent_span_id="ef" * 8,
+        name="kv_request decode 'x'\n",
+        kind="Server",
+        start_ns=NOW + 123_456_789,
+        end_ns=NOW + 2 * SEC,
+        attributes={**HOSTILE, "int": 42, "float": 0.25, "bool": True, "list": [1, "a"], "big": 2**62},
+        resource={"service.name": "vllm\tdecode", "k\n": "v'"},
+        scope_name="otelkv.engine",
+        scope_version="0.1",
+        status_code="Error",
+        status_message="boom \\ 'x' \n",
+        trace_state="k=v",
+        events=[{"time_ns": NOW + 5, "name": "ev\n", "attributes": {"a": 1, "q": "'"}}],
+        links=[
+            {"trace_id": "11" * 16, "span_id": "22" * 8, "trace_state": "t=1", "attributes": {"x": False}}
+        ],
+    )
+    lone = span("cafe", "beef", "lone surrogate", NOW, 0.1, {"bad": "a\ud800b"})
+    assert store.insert_spans([original, lone]) == 2
+    back = queries.trace_spans(store, [original.trace_id])
+    assert len(back) == 1
+    got = back[0]
+    assert (got.trace_id, got.span_id, got.parent_span_id) == (
+        original.trace_id,
+        original.span_id,
+        original.parent_span_id,
+    )
+    assert got.name == original.name and got.kind == "Server"
+    assert (got.start_ns, got.end_ns) == (original.start_ns, original.end_ns)
+    for key, value in HOSTILE.items():
+        assert got.attributes[key] == value, key
+    assert got.attributes["int"] == "42" and got.attributes["float"] == "0.25"
+    assert got.attributes["bool"] == "true" and got.attributes["list"] == '[1,"a"]'
+    assert attr_int(got.attributes, "big") == 2**62 and attr_bool(got.attributes, "bool") is True
+    assert attr_float(got.attributes, "float") == 0.25
+    assert got.resource == {"service.name": "vllm\tdecode", "k\n": "v'"}
+    assert got.service_name == "vllm\tdecode"
+    assert (got.scope_name, got.scope_version) == ("otelkv.engine", "0.1")
+    assert (got.status_code, got.status_message, got.trace_state) == ("Error", original.status_message, "k=v")
+    assert got.events == [{"time_ns": NOW + 5, "name": "ev\n", "attributes": {"a": "1", "q": "'"}}]
+    assert got.links == [
+        {"trace_id": "11" * 16, "span_id": "22" * 8, "trace_state": "t=1", "attributes": {"x": "false"}}
+    ]
+    (stored_lone,) = queries.trace_spans(store, [lone.trace_id])
+    assert stored_lone.attributes["bad"] == "a\ufffdb"
+    assert queries.count_spans(store) == 2
+    # The MV filled the trace-id lookup table.
+    rows = store.query(
+        "SELECT count() AS n FROM otel.otel_traces_trace_id_ts WHERE TraceId = {t:String}",
+        {"t": original.trace_id},
+    )
+    assert rows == [{"n": 1}]
+
+
+def test_query_parameters_are_not_sql(store: ChdbStore) -> None:
+    store.insert_spans([turn("conv'); DROP TABLE x; --\\n\t", 0, NOW, 1.0, 1.0, "a1")])
+    got = queries.turn_spans(store, conversation_id="conv'); DROP TABLE x; --\\n\t")
+    assert len(got) == 1
+    assert queries.turn_spans(store, conversation_id="conv") == []
+
+
+def test_turn_spans_ordering_and_filters(store: ChdbStore) -> None:
+    spans = [
+        turn("c1", 0, NOW, 1.0, 5.0, "t1"),  # total_s wins over duration
+        turn("c1", 1, NOW + 10 * SEC, 9.0, None, "t2"),  # no total_s: duration 9 s
+        turn("c1", 2, NOW + 20 * SEC, 3.0, 0.0, "t3"),  # total_s 0: duration 3 s
+        turn("c2", 0, NOW + 30 * SEC, 7.0, 7.0, "t4"),
+        span("t5", "x", "chat tiny", NOW, 100.0, {names.GEN_AI_CONVERSATION_ID: "c1"}),  # no turn index
+        span("t6", "y", "kv_request decode", NOW, 50.0, {names.TURN_INDEX: 1}),  # not a chat span
+    ]
+    store.insert_spans(spans)
+    slowest = queries.turn_spans(store)
+    assert [s.trace_id[:2] for s in slowest] == ["t2", "t4", "t1", "t3"]
+    assert [s.trace_id[:2] for s in queries.turn_spans(store, slowest_first=False)] == [
+        "t3",
+        "t1",
+        "t4",
+        "t2",
+    ]
+    assert len(queries.turn_spans(store, limit=2)) == 2
+    window = queries.turn_spans(store, since_ns=NOW + 5 * SEC, until_ns=NOW + 25 * SEC)
+    assert [s.trace_id[:2] for s in window] == ["t2", "t3"]
+    conv = queries.turn_spans(store, conversation_id="c1")
+    assert [attr_int(s.attributes, names.TURN_INDEX) for s in conv] == [0, 1, 2]
+
+
+def test_find_turn_prefers_sidecar_span(store: ChdbStore) -> None:
+    store.insert_spans(
+        [
+            turn("c9", 3, NOW, 1.0, 1.0, "f1", scope="otelkv.fleet"),
+            turn("c9", 3, NOW + SEC, 1.0, 1.0, "f1", scope=names.SCOPE_SIDECAR),
+            turn("c9", 4, NOW + 2 * SEC, 1.0, 1.0, "f2"),
+        ]
+    )
+    found = queries.find_turn(store, "c9", 3)
+    assert found is not None and found.scope_name == names.SCOPE_SIDECAR
+    assert queries.find_turn(store, "c9", 4) is not None
+    assert queries.find_turn(store, "c9", 5) is None
+    assert queries.find_turn(store, "other", 3) is None
+
+
+def test_trace_spans_and_tool_spans(store: ChdbStore) -> None:
+    conv = {names.GEN_AI_CONVERSATION_ID: "c1"}
+    store.insert_spans(
+        [
+            turn("c1", 0, NOW, 2.0, 2.0, "aa"),
+            span("aa", "r1", "kv_request prefill", NOW + 1, 0.5, parent="aa0"),
+            span("bb", "r2", "kv_request decode", NOW + 2, 0.5),
+            span("t7", "u1", "execute_tool search", NOW + 5 * SEC, 2.0, conv),
+            span("t7", "u2", "execute_tool fetch", NOW + 20 * SEC, 1.0, {names.GEN_AI_CONVERSATION_ID: "c2"}),
+            span("t7", "u3", "chat tiny", NOW + 6 * SEC, 1.0, conv),
+        ]
+    )
+    aa = queries.trace_spans(store, ["aa".ljust(32, "0")])
+    assert [s.name for s in aa] == ["chat tiny", "kv_request prefill"]
+    both = queries.trace_spans(store, ["aa".ljust(32, "0"), "bb".ljust(32, "0"), "missing"])
+    assert len(both) == 3
+    assert queries.trace_spans(store, []) == []
+    # [NOW+6s, NOW+10s] overlaps the search tool (NOW+5s..NOW+7s) only.
+    tools = queries.tool_spans(store, since_ns=NOW + 6 * SEC, until_ns=NOW + 10 * SEC)
+    assert [s.name for s in tools] == ["execute_tool search"]
+    tools = queries.tool_spans(store, since_ns=NOW, until_ns=NOW + 60 * SEC)
+    assert [s.name for s in tools] == ["execute_tool search", "execute_tool fetch"]
+    tools = queries.tool_spans(store, since_ns=NOW, until_ns=NOW + 60 * SEC, conversation_id="c2")
+    assert [s.name for s in tools] == ["execute_tool fetch"]
+
+
+def test_trace_spans_without_lookup_rows(store: ChdbStore) -> None:
+    """Rows written before the materialized view existed must still be found."""
+    store.insert_spans([span("dd", "s1", "x", NOW, 1.0)])
+    store.query("TRUNCATE TABLE otel.otel_traces_trace_id_ts")
+    assert len(queries.trace_spans(store, ["dd".ljust(32, "0")])) == 1
+
+
+def test_data_persists_after_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "persist"
+    with ChdbStore(path) as first:
+        first.insert_spans([turn("p", 0, NOW, 1.0, 1.0, "pp")])
+    again = open_store(path=path)
+    try:
+        assert queries.count_spans(again) == 1
+        assert queries.find_turn(again, "p", 0) is not None
+    finally:
+        again.close()
+
+
+def test_closed_store_raises(tmp_path: Path) -> None:
+    s = ChdbStore(tmp_path / "closed")
+    s.close()
+    s.close()
+    with pytest.raises(StoreError, match="closed"):
+        s.query("SELECT 1")
+
+
+def test_ttl_clause_and_contrib_schema(store: ChdbStore) -> None:
+    ddl = store.query("SHOW CREATE TABLE otel.otel_traces")[0]["statement"]
+    assert "TTL toDateTime(Timestamp) + toIntervalDay(7)" in ddl
+    assert "ttl_only_drop_parts = 1" in ddl and "PARTITION BY toDate(Timestamp)" in ddl
+    lookup = store.query("SHOW CREATE TABLE otel.otel_traces_trace_id_ts")[0]["statement"]
+    assert "TTL toDateTime(Start) + toIntervalDay(7)" in lookup
+    tables = {r["name"] for r in store.query("SELECT name FROM system.tables WHERE database = 'otel'")}
+    assert tables == {"otel_traces", "otel_traces_trace_id_ts", "otel_traces_trace_id_ts_mv"}
+
+
+def test_second_process_gets_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "locked"
+    with ChdbStore(path):
+        code = textwrap.dedent(
+            f"""
+            import sys
+            from otelkv.store import StoreError
+            from otelkv.store.chdb_store import ChdbStore
+            try:
+                ChdbStore({str(path)!r})
+            except StoreError as exc:
+                print(exc)
+                sys.exit(3)
+            sys.exit(0)
+            """
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parents[2],
+        )
+    assert done.returncode == 3, done.stderr
+    assert "is open in another process" in done.stdout
+    assert "otelkv sidecar" in done.stdout and "--sidecar URL" in done.stdout

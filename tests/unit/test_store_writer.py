@@ -1,0 +1,120 @@
+"""BatchWriter against in-memory fake stores (pure logic, no database): bounded queue,
+drop counting, surviving store failures, and flushing on close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.store.writer import DROP_QUEUE_FULL, DROP_STORE_ERROR, BatchWriter
+
+
+def spans(n: int) -> list[SpanRecord]:
+    return [SpanRecord(f"{i:032x}", f"{i:016x}", "", "s", "Internal", 0, 1, {}, {}) for i in range(n)]
+
+
+class FakeStore:
+    database = "otel"
+
+    def __init__(self, fail_first: int = 0, gate: threading.Event | None = None) -> None:
+        self.batches: list[int] = []
+        self.fail_first = fail_first
+        self.gate = gate
+
+    def insert_spans(self, batch: Sequence[SpanRecord]) -> int:
+        if self.gate is not None:
+            self.gate.wait(5)
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            raise RuntimeError("disk full")
+        self.batches.append(len(batch))
+        return len(batch)
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        return []
+
+    def describe(self) -> str:
+        return "fake"
+
+    def close(self) -> None:
+        pass
+
+
+def test_batches_and_close_flushes() -> None:
+    store = FakeStore()
+    writer = BatchWriter(store, batch_spans=4, flush_interval_s=10.0)
+    assert writer.submit(spans(3)) and writer.submit(spans(6)) and writer.submit([])
+    assert writer.close(timeout=5)
+    assert sum(store.batches) == 9 and max(store.batches) <= 4
+    stats = writer.stats()
+    assert stats["written"] == 9 and stats["queued"] == 0 and stats["batches"] == len(store.batches)
+    assert not writer.submit(spans(1))  # closed: dropped, counted
+    assert writer.stats()["dropped_queue_full"] == 1
+
+
+def test_full_queue_drops_new_spans_and_counts() -> None:
+    gate = threading.Event()
+    drops: list[tuple[str, int]] = []
+    store = FakeStore(gate=gate)
+    writer = BatchWriter(
+        store,
+        max_queue_spans=10,
+        batch_spans=10,
+        flush_interval_s=0.01,
+        on_drop=lambda r, n: drops.append((r, n)),
+    )
+    assert writer.submit(spans(10))
+    deadline = time.monotonic() + 5
+    while writer._in_flight != 10 and time.monotonic() < deadline:  # the writer holds them, stuck
+        time.sleep(0.005)
+    assert writer.submit(spans(10))  # queue has room again
+    assert not writer.submit(spans(5))  # full: the new spans are dropped
+    assert writer.stats()["dropped_queue_full"] == 5 and writer.stats()["queued"] == 20
+    assert drops == [(DROP_QUEUE_FULL, 5)]
+    gate.set()
+    assert writer.flush(timeout=5)
+    assert writer.stats()["written"] == 20
+    writer.close()
+
+
+def test_store_errors_are_counted_and_writer_goes_on(caplog: Any) -> None:
+    drops: list[tuple[str, int]] = []
+    store = FakeStore(fail_first=2)
+    writer = BatchWriter(
+        store, batch_spans=3, flush_interval_s=0.01, on_drop=lambda r, n: drops.append((r, n))
+    )
+    writer.submit(spans(3))
+    assert writer.flush(timeout=5)
+    writer.submit(spans(3))
+    assert writer.flush(timeout=5)
+    writer.submit(spans(2))
+    assert writer.flush(timeout=5)
+    stats = writer.stats()
+    assert stats["dropped_store_error"] == 6 and stats["written"] == 2
+    assert drops == [(DROP_STORE_ERROR, 3), (DROP_STORE_ERROR, 3)]
+    assert sum("disk full" in r.getMessage() for r in caplog.records) == 1  # once a minute
+    writer.close()
+
+
+def test_submit_never_blocks_on_a_stuck_store() -> None:
+    gate = threading.Event()
+    writer = BatchWriter(FakeStore(gate=gate), max_queue_spans=100, batch_spans=10, flush_interval_s=0.01)
+    start = time.perf_counter()
+    for _ in range(1000):
+        writer.submit(spans(1))
+    assert time.perf_counter() - start < 1.0
+    assert writer.stats()["dropped_queue_full"] >= 890
+    gate.set()
+    writer.close(timeout=5)
+
+
+def test_bad_on_drop_callback_is_ignored() -> None:
+    def boom(reason: str, n: int) -> None:
+        raise ValueError("metrics broke")
+
+    writer = BatchWriter(FakeStore(), max_queue_spans=1, on_drop=boom)
+    assert not writer.submit(spans(2))
+    writer.close()
