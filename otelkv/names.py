@@ -31,6 +31,9 @@ SCOPE_ENGINE: Final = "otelkv.engine"
 SCOPE_FLEET: Final = "otelkv.fleet"
 """Tracer scope of the reference fleet's router and agent driver."""
 
+SCOPE_SIDECAR: Final = "otelkv.sidecar"
+"""Tracer scope of the sidecar's turn spans (the span that defines a turn in the store)."""
+
 # --------------------------------------------------------------------------------------
 # Span names (low cardinality: the variable part is a role or a direction)
 # --------------------------------------------------------------------------------------
@@ -194,6 +197,45 @@ ROUTER_DECODE_STREAMED: Final = "otelkv.router.decode_streamed"
 HTTP_STATUS: Final = "http.response.status_code"
 
 # --------------------------------------------------------------------------------------
+# Attribute keys of the sidecar's turn span (``chat {model}``, scope otelkv.sidecar)
+# --------------------------------------------------------------------------------------
+
+GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID: Final = "gen_ai.response.id"
+GEN_AI_RESPONSE_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+GEN_AI_TOOL_CALL_ID: Final = "gen_ai.tool.call.id"
+HTTP_ROUTE: Final = "http.route"
+
+CONVERSATION_ID_SOURCE: Final = "otelkv.conversation.id_source"
+"""Where the conversation id came from (:data:`CONVERSATION_ID_SOURCES`)."""
+CONVERSATION_INFERRED: Final = "otelkv.conversation.inferred"
+"""True when the id is a fingerprint of the conversation prefix, not sent by the client."""
+TURN_STREAM: Final = "otelkv.turn.stream"
+TURN_TTFT_SECONDS: Final = "otelkv.turn.ttft_s"
+"""Request arrival to the first content byte the client received (streaming only)."""
+TURN_LAST_TOKEN_SECONDS: Final = "otelkv.turn.last_token_s"
+TURN_RESPONSE_KV_PARAMS: Final = "otelkv.turn.response_kv_transfer_params"
+"""Whether the response the client got carried ``kv_transfer_params`` (a decode handle)."""
+TURN_ASKED_TOOLS: Final = "otelkv.turn.asked_tools"
+"""The response asked the agent to call tools (finish reason or tool_calls)."""
+TURN_TOOL_RESULTS: Final = "otelkv.turn.tool_results"
+"""How many tool results this request carried after the last assistant message."""
+TURN_MESSAGES: Final = "otelkv.turn.messages"
+TURN_PREVIOUS_TRACE_ID: Final = "otelkv.turn.previous_trace_id"
+TURN_GAP_SECONDS: Final = "otelkv.turn.gap_s"
+"""From the previous turn's last byte to this request's arrival (0 on the first turn)."""
+TURN_GAP_SOURCE: Final = "otelkv.turn.gap_source"
+"""How the gap was split into tool wait and app work (:data:`GAP_SOURCES`)."""
+TURN_TOOL_WAIT_SECONDS: Final = "otelkv.turn.tool_wait_s"
+TURN_APP_WORK_SECONDS: Final = "otelkv.turn.app_work_s"
+TURN_INPUT_PROCESSING_SECONDS: Final = "otelkv.turn.input_processing_s"
+TURN_GENERATION_SECONDS: Final = "otelkv.turn.generation_s"
+TURN_TOTAL_SECONDS: Final = "otelkv.turn.total_s"
+"""Gap plus request time: the four phases above add up to it."""
+TURN_TTFT_SOURCE: Final = "otelkv.turn.ttft_source"
+"""How input processing was bounded (:data:`TTFT_SOURCES`)."""
+
+# --------------------------------------------------------------------------------------
 # Resource attributes
 # --------------------------------------------------------------------------------------
 
@@ -299,6 +341,50 @@ ROUTER_HANDLE_STATES: Final = (
     ROUTER_HANDLE_NO_CONVERSATION,
 )
 
+PHASE_INPUT_PROCESSING: Final = "input_processing"
+PHASE_GENERATION: Final = "generation"
+PHASE_TOOL_WAIT: Final = "tool_wait"
+PHASE_APP_WORK: Final = "app_work"
+PHASES: Final = (PHASE_INPUT_PROCESSING, PHASE_GENERATION, PHASE_TOOL_WAIT, PHASE_APP_WORK)
+
+GAP_SOURCE_AGENT_SPANS: Final = "agent_spans"
+GAP_SOURCE_MESSAGES: Final = "messages"
+GAP_SOURCE_NONE: Final = "none"
+"""First turn of a conversation: there is no gap to split."""
+GAP_SOURCES: Final = (GAP_SOURCE_AGENT_SPANS, GAP_SOURCE_MESSAGES, GAP_SOURCE_NONE)
+
+TTFT_SOURCE_STREAM: Final = "stream"
+"""First content chunk the sidecar forwarded."""
+TTFT_SOURCE_ENGINE: Final = "engine"
+"""Non-streaming: the prefill node's request span end (known once engine spans arrived)."""
+TTFT_SOURCE_RESPONSE: Final = "response"
+"""Non-streaming, no engine spans: the whole response counts as input processing."""
+TTFT_SOURCES: Final = (TTFT_SOURCE_STREAM, TTFT_SOURCE_ENGINE, TTFT_SOURCE_RESPONSE)
+
+CONVERSATION_ID_SOURCES: Final = (
+    "header_conversation_id",
+    "header_session_id",
+    "body_conversation_id",
+    "body_session_id",
+    "baggage",
+    "fingerprint",
+)
+
+# Diagnoses (stable ids: documented in docs/diagnoses.md, used by ``otelkv why``).
+DIAG_TTL_LAPSED: Final = "ttl_lapsed_during_gap"
+DIAG_BELOW_THRESHOLD: Final = "below_threshold"
+DIAG_NO_CONVERSATION_ID: Final = "no_conversation_id"
+DIAG_DECODE_NO_HANDLE: Final = "decode_returned_no_handle"
+DIAG_BIDIRECTIONAL_OFF: Final = "bidirectional_off"
+DIAG_PULL_SLOWER_THAN_RECOMPUTE: Final = "pull_slower_than_recompute"
+DIAG_EXPIRED_READ_FAILED: Final = "expired_read_failed_request"
+DIAG_STUCK_WAITING_FOR_REMOTE_KV: Final = "stuck_waiting_for_remote_kv"
+DIAG_TRANSFER_FAILED: Final = "kv_transfer_failed"
+DIAG_ROUTER_HANDLE_EXPIRED: Final = "router_dropped_handle"
+DIAG_QUEUEING: Final = "queueing"
+DIAG_TOOL_WAIT_DOMINATES: Final = "tool_wait_dominates"
+DIAG_APP_WORK_DOMINATES: Final = "app_work_dominates"
+
 # --------------------------------------------------------------------------------------
 # Engine metrics (exported through vLLM's own /metrics, beside vllm:nixl_*).
 # vLLM adds its ``model_name`` and ``engine`` labels to every one of them.
@@ -365,3 +451,73 @@ ENV_TRACES: Final = "OTELKV_TRACES"
 ENV_FAULT_INJECT: Final = "OTELKV_FAULT_INJECT"
 """Comma-separated observer sites (or ``all``) at which otelkv raises on purpose. For
 fail-open tests and drills only: serving must go on unchanged while it is set."""
+
+# --------------------------------------------------------------------------------------
+# Sidecar metrics (the sidecar's own /metrics). Conversation ids never become labels;
+# the turn index is bucketed (:func:`turn_index_bucket`).
+# --------------------------------------------------------------------------------------
+
+METRIC_TURN_PHASE_SECONDS: Final = "otelkv_turn_phase_seconds"
+"""Histogram, labels phase, model: seconds of each agent turn spent in each phase."""
+METRIC_TURN_TTFT_SECONDS: Final = "otelkv_turn_ttft_seconds"
+"""Histogram, labels turn_index (bucketed), model: time to first token by turn index."""
+METRIC_TURN_GAP_SECONDS: Final = "otelkv_turn_gap_seconds"
+"""Histogram, label source: the gap before a turn (tool wait plus app work)."""
+METRIC_TURNS: Final = "otelkv_turns"
+"""Counter, labels model, status (ok/error), stream: turns the sidecar proxied."""
+METRIC_TRACE_PREFILL_TOKENS: Final = "otelkv_trace_prefill_tokens"
+"""Counter, label source: prompt tokens by source, from engine spans the sidecar received."""
+METRIC_TRACE_PULL_DECISIONS: Final = "otelkv_trace_pull_decisions"
+"""Counter, labels decision, reason: from prefill spans the sidecar received."""
+METRIC_TRACE_TRANSFER_BYTES: Final = "otelkv_trace_kv_transfer_bytes"
+"""Counter (bytes), labels direction, backend: from transfer spans the sidecar received."""
+METRIC_TRACE_RETENTIONS: Final = "otelkv_trace_kv_retentions"
+"""Counter, labels kind, outcome: from retention spans the sidecar received."""
+METRIC_SIDECAR_SPANS_RECEIVED: Final = "otelkv_sidecar_spans_received"
+"""Counter, label source (otlp/sidecar): spans accepted for the store."""
+METRIC_SIDECAR_SPANS_DROPPED: Final = "otelkv_sidecar_spans_dropped"
+"""Counter, label reason (queue_full/store_error): spans that did not reach the store."""
+METRIC_SIDECAR_OTLP_REJECTED: Final = "otelkv_sidecar_otlp_rejected"
+"""Counter: OTLP exports refused as malformed."""
+METRIC_SIDECAR_UPSTREAM_ERRORS: Final = "otelkv_sidecar_upstream_errors"
+"""Counter: requests the upstream could not answer (the client got a 502)."""
+METRIC_SIDECAR_STORE_QUEUE: Final = "otelkv_sidecar_store_queue_spans"
+"""Gauge: spans waiting for the store writer."""
+
+TURN_SECONDS_BUCKETS: Final = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    900.0,
+)
+"""Buckets for turn phases and gaps: milliseconds of prefill up to many-minute tool waits."""
+
+TURN_INDEX_BUCKETS: Final = ("0", "1", "2", "3", "4-7", "8-15", "16-31", "32+")
+
+
+def turn_index_bucket(index: int) -> str:
+    """A turn index as a bounded label value (long conversations share a bucket)."""
+    if index < 4:
+        return str(max(index, 0))
+    if index < 8:
+        return "4-7"
+    if index < 16:
+        return "8-15"
+    if index < 32:
+        return "16-31"
+    return "32+"
+
+
+ENV_SIDECAR_TOKEN: Final = "OTELKV_TOKEN"
+"""Bearer token the sidecar's query API and OTLP receiver require when set."""

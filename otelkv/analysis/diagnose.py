@@ -1,0 +1,631 @@
+"""The catalogue of diagnoses: why a turn was slow or failed, with evidence and the fix.
+
+Each check is a pure function of a :class:`~otelkv.analysis.model.Turn` (with its
+previous turn linked when known) and a small context. A diagnosis carries a stable id
+(``names.DIAG_*``, documented in ``docs/diagnoses.md``), the numbers it rests on taken
+straight from the trace, one sentence with those numbers, the concrete setting to change,
+and an estimated cost in seconds. The cost ranks diagnoses: ``otelkv slow`` shows the
+top one, ``otelkv why`` all of them.
+
+Costs are estimates on purpose, not measurements: "recompute N tokens" is priced with
+the seconds per computed token the prefill node showed on this or sibling turns. A
+failed request costs the whole request (the agent has to retry it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from otelkv import names
+from otelkv.analysis.model import Leg, Turn
+
+QUEUEING_MIN_S = 0.25
+"""Unexplained input processing below this is noise (HTTP, tokenization), not queueing."""
+QUEUEING_MIN_SHARE = 0.5
+"""Unexplained time must be at least this share of input processing to count as queueing."""
+DOMINATES_SHARE = 0.5
+"""A gap phase "dominates" when it is more than this share of the turn."""
+DOMINATES_MIN_S = 1.0
+"""... and at least this long (sub-second turns are not worth a diagnosis)."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the checks need beyond the turn itself."""
+
+    per_token_s: float | None = None
+    """Seconds per computed prompt token on the prefill node (see ``per_token_compute_s``)."""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    id: str
+    title: str
+    summary: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""
+    cost_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "summary": self.summary,
+            "evidence": self.evidence,
+            "fix": self.fix,
+            "cost_s": round(self.cost_s, 6),
+        }
+
+    def brief(self) -> dict[str, Any]:
+        return {"id": self.id, "title": self.title, "summary": self.summary, "cost_s": round(self.cost_s, 6)}
+
+
+TITLES: dict[str, str] = {
+    names.DIAG_EXPIRED_READ_FAILED: "Expired KV read failed the request",
+    names.DIAG_STUCK_WAITING_FOR_REMOTE_KV: "Request stuck waiting for remote KV",
+    names.DIAG_TRANSFER_FAILED: "KV transfer failed",
+    names.DIAG_TTL_LAPSED: "Decode KV expired during the gap",
+    names.DIAG_ROUTER_HANDLE_EXPIRED: "Router dropped the decode handle",
+    names.DIAG_DECODE_NO_HANDLE: "Decode returned no kv_transfer_params",
+    names.DIAG_BIDIRECTIONAL_OFF: "Bidirectional KV transfer off",
+    names.DIAG_NO_CONVERSATION_ID: "No conversation id from the client",
+    names.DIAG_BELOW_THRESHOLD: "Reusable KV below the recompute threshold",
+    names.DIAG_PULL_SLOWER_THAN_RECOMPUTE: "Pull slower than recomputing",
+    names.DIAG_QUEUEING: "Queueing before the engines",
+    names.DIAG_TOOL_WAIT_DOMINATES: "Tool wait dominates the turn",
+    names.DIAG_APP_WORK_DOMINATES: "Agent's own work dominates the turn",
+}
+"""Catalogue order: ties in cost rank in this order (failures first)."""
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(float(value), digits)
+
+
+def _legs(turn: Turn) -> list[Leg]:
+    return [leg for leg in (turn.prefill, turn.decode) if leg is not None]
+
+
+def _not_first(turn: Turn) -> bool:
+    return (turn.index is not None and turn.index > 0) or turn.previous is not None
+
+
+def lost_tokens(turn: Turn) -> int:
+    """Prompt tokens the prefill node recomputed that an earlier engine still held (or had held)."""
+    leg = turn.prefill
+    if leg is None or leg.pulled:
+        return 0
+    computed = leg.computed if leg.computed is not None else max(leg.prompt_tokens - (leg.local_hit or 0), 0)
+    if leg.remote_reusable:
+        return min(leg.remote_reusable, computed) if computed else leg.remote_reusable
+    prev = turn.previous
+    if prev is not None and prev.decode is not None:
+        held = prev.decode.prompt_tokens + (prev.decode.output_tokens or 0)
+        return max(min(held - (leg.local_hit or 0), computed), 0)
+    return computed
+
+
+def recompute_s(turn: Turn, tokens: int, ctx: Context) -> float:
+    """Seconds to compute ``tokens`` prompt tokens on the prefill node (0 when unknown)."""
+    if tokens <= 0:
+        return 0.0
+    if ctx.per_token_s:
+        return tokens * ctx.per_token_s
+    leg = turn.prefill
+    if leg is not None and leg.computed:
+        return leg.compute_s * min(tokens / leg.computed, 1.0)
+    return 0.0
+
+
+def _suggest_ttl(gap_s: float) -> int:
+    """A TTL that covers this gap with a margin, rounded up to a readable number."""
+    want = gap_s * 1.25
+    step = 5 if want <= 60 else 30 if want <= 600 else 300
+    return int(math.ceil(want / step) * step)
+
+
+def _pull_s(leg: Leg) -> float | None:
+    t = leg.transfer
+    if t is not None:
+        for value in (t.wait_s, t.xfer_s):
+            if value:
+                return value
+    return leg.remote_kv_wait_s
+
+
+# ------------------------------------------------------------------ failures
+
+
+def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
+    for leg in _legs(turn):
+        if leg.outcome != names.OUTCOME_FAILED_KV_LOAD:
+            continue
+        t_out = leg.transfer.outcome if leg.transfer else None
+        if t_out == names.TRANSFER_FAILED and leg.reason != names.REASON_DECLINED_EXPIRED:
+            continue  # a broken transfer, not an expired read: kv_transfer_failed
+        ttl = turn.decoder_ttl_s()
+        policy = leg.config.load_failure_policy
+        evidence = {
+            "role": leg.role,
+            "outcome": leg.outcome,
+            "reason": leg.reason,
+            "transfer_outcome": t_out,
+            "gap_s": _r(turn.gap_s),
+            "decoder_kv_blocks_ttl_s": _r(ttl),
+            "kv_load_failure_policy": policy,
+            "http_status": turn.http_status,
+            "request_s": _r(turn.request_s),
+        }
+        ttl_text = f" (gap {turn.gap_s:.1f}s vs TTL {ttl:g}s)" if ttl is not None else ""
+        return Diagnosis(
+            names.DIAG_EXPIRED_READ_FAILED,
+            TITLES[names.DIAG_EXPIRED_READ_FAILED],
+            f"The {leg.role} node tried to read KV that had already expired{ttl_text}; with "
+            f"kv_load_failure_policy={policy or 'fail'} vLLM failed the request instead of recomputing.",
+            evidence,
+            "Set kv_load_failure_policy=recompute in vLLM's --kv-transfer-config so an expired read "
+            "falls back to recomputing, and keep the router's handle TTL below decoder_kv_blocks_ttl "
+            "so it never forwards a handle the decode node has already freed.",
+            turn.request_s + recompute_s(turn, lost_tokens(turn), ctx),
+        )
+    return None
+
+
+def check_stuck(turn: Turn, ctx: Context) -> Diagnosis | None:
+    for leg in _legs(turn):
+        t_out = leg.transfer.outcome if leg.transfer else None
+        if leg.outcome != names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV and t_out != names.TRANSFER_STUCK:
+            continue
+        waited = leg.remote_kv_wait_s or (leg.transfer.wait_s if leg.transfer else None)
+        evidence = {
+            "role": leg.role,
+            "outcome": leg.outcome,
+            "transfer_outcome": t_out,
+            "remote_kv_wait_s": _r(waited),
+            "pulled_tokens": leg.transfer.tokens if leg.transfer else None,
+            "engine_id": leg.engine_id,
+        }
+        return Diagnosis(
+            names.DIAG_STUCK_WAITING_FOR_REMOTE_KV,
+            TITLES[names.DIAG_STUCK_WAITING_FOR_REMOTE_KV],
+            f"The {leg.role} request waited {waited or 0:.1f}s for remote KV that never arrived "
+            "(parked in WAITING_FOR_REMOTE_KVS).",
+            evidence,
+            "Check that the NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT) is reachable between "
+            "the engines and that the remote engine is alive; set VLLM_NIXL_ABORT_REQUEST_TIMEOUT so "
+            "vLLM aborts such requests instead of holding them.",
+            max(waited or 0.0, turn.request_s),
+        )
+    return None
+
+
+def check_transfer_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
+    for leg in _legs(turn):
+        t = leg.transfer
+        failed = (t is not None and t.outcome == names.TRANSFER_FAILED) or (
+            leg.reason == names.REASON_TRANSFER_FAILED
+        )
+        if not failed:
+            continue
+        request_failed = leg.outcome not in (None, names.OUTCOME_FINISHED, names.OUTCOME_ABORTED)
+        evidence = {
+            "role": leg.role,
+            "direction": t.direction if t else None,
+            "transfer_outcome": t.outcome if t else None,
+            "bytes": t.bytes if t else None,
+            "backend": t.backend if t else None,
+            "wait_s": _r(t.wait_s) if t else None,
+            "request_outcome": leg.outcome,
+            "kv_load_failure_policy": leg.config.load_failure_policy,
+        }
+        direction = t.direction if t else "KV"
+        tail = "and the request failed" if request_failed else "and the engine recomputed instead"
+        cost = turn.request_s if request_failed else (t.wait_s or 0.0 if t else 0.0)
+        cost += recompute_s(turn, lost_tokens(turn), ctx)
+        return Diagnosis(
+            names.DIAG_TRANSFER_FAILED,
+            TITLES[names.DIAG_TRANSFER_FAILED],
+            f"The {direction} transfer on the {leg.role} node failed {tail}.",
+            evidence,
+            "Check the NIXL/UCX logs of both engines (UCX_TLS, network between the nodes, remote engine "
+            "restarts); set kv_load_failure_policy=recompute in --kv-transfer-config so a failed read "
+            "costs a recompute rather than the request.",
+            cost,
+        )
+    return None
+
+
+# ------------------------------------------------------------------ lost reuse
+
+
+def _ttl_lapse_facts(turn: Turn) -> tuple[bool, bool, bool, float | None]:
+    """(previous retention expired, read declined as expired, gap exceeded TTL, ttl)."""
+    prev = turn.previous
+    ret = prev.decode.retention if prev and prev.decode else None
+    expired = ret is not None and ret.outcome == names.RETENTION_EXPIRED
+    leg = turn.prefill
+    declined = leg is not None and (
+        leg.reason == names.REASON_DECLINED_EXPIRED
+        or (leg.transfer is not None and leg.transfer.outcome == names.TRANSFER_DECLINED_EXPIRED)
+    )
+    ttl = turn.decoder_ttl_s()
+    over = ttl is not None and turn.gap_s >= ttl > 0
+    return expired, declined, over, ttl
+
+
+def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
+    if not _not_first(turn):
+        return None
+    expired, declined, over, ttl = _ttl_lapse_facts(turn)
+    stale = turn.router is not None and turn.router.handle == names.ROUTER_HANDLE_STALE
+    if not (expired or declined or (stale and over)):
+        return None
+    prev = turn.previous
+    ret = prev.decode.retention if prev and prev.decode else None
+    phases = turn.phases
+    tokens = lost_tokens(turn)
+    evidence = {
+        "gap_s": _r(turn.gap_s),
+        "decoder_kv_blocks_ttl_s": _r(ttl),
+        "over_by_s": _r(turn.gap_s - ttl) if ttl is not None else None,
+        "tool_wait_s": _r(phases.tool_wait_s) if phases else None,
+        "app_work_s": _r(phases.app_work_s) if phases else None,
+        "previous_retention_outcome": ret.outcome if ret else None,
+        "previous_retention_held_s": _r(ret.held_s) if ret else None,
+        "previous_retention_blocks": ret.blocks if ret else None,
+        "pull_reason": turn.prefill.reason if turn.prefill else None,
+        "router_handle": turn.router.handle if turn.router else None,
+        "tokens_recomputed": tokens,
+    }
+    if ttl is not None:
+        head = f"The {turn.gap_s:.1f}s gap before this turn exceeded decoder_kv_blocks_ttl={ttl:g}s"
+    else:
+        head = f"The decode node's KV expired during the {turn.gap_s:.1f}s gap before this turn"
+    held = f"; blocks were held {ret.held_s:.1f}s then freed unread" if ret and ret.held_s is not None else ""
+    fix = (
+        f"Raise decoder_kv_blocks_ttl (kv_connector_extra_config of the decode node's --kv-transfer-config) "
+        f"to about {_suggest_ttl(turn.gap_s)}s to bridge gaps like this one, if the memory is there "
+        f"(cost: blocks x seconds held; see otelkv_kv_retention_block_seconds); keep the router's handle "
+        "TTL at or below it. Or shorten the agent's wait between turns."
+    )
+    return Diagnosis(
+        names.DIAG_TTL_LAPSED,
+        TITLES[names.DIAG_TTL_LAPSED],
+        f"{head}{held}, so prefill recomputed {tokens} tokens instead of pulling them.",
+        evidence,
+        fix,
+        recompute_s(turn, tokens, ctx),
+    )
+
+
+def check_router_dropped(turn: Turn, ctx: Context) -> Diagnosis | None:
+    router = turn.router
+    if router is None or router.handle != names.ROUTER_HANDLE_STALE:
+        return None
+    expired, _declined, over, ttl = _ttl_lapse_facts(turn)
+    if expired or over:
+        return None  # the KV really was gone: ttl_lapsed_during_gap says so
+    tokens = lost_tokens(turn)
+    prev = turn.previous
+    ret = prev.decode.retention if prev and prev.decode else None
+    evidence = {
+        "router_handle": router.handle,
+        "handle_age_s": _r(router.handle_age_s),
+        "gap_s": _r(turn.gap_s),
+        "decoder_kv_blocks_ttl_s": _r(ttl),
+        "previous_retention_outcome": ret.outcome if ret else None,
+        "tokens_recomputed": tokens,
+    }
+    age = router.handle_age_s if router.handle_age_s is not None else turn.gap_s
+    ttl_text = f" though the decode node keeps KV for {ttl:g}s" if ttl is not None else ""
+    return Diagnosis(
+        names.DIAG_ROUTER_HANDLE_EXPIRED,
+        TITLES[names.DIAG_ROUTER_HANDLE_EXPIRED],
+        f"The router judged the {age:.1f}s-old decode handle stale and sent none{ttl_text}; "
+        f"prefill recomputed {tokens} tokens.",
+        evidence,
+        "Raise the router's handle TTL to match decoder_kv_blocks_ttl (not above it, or it forwards "
+        "handles the decode node has already freed).",
+        recompute_s(turn, tokens, ctx),
+    )
+
+
+def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
+    if not _not_first(turn) or turn.prefill is None:
+        return None
+    router = turn.router
+    no_handle = turn.prefill.reason == names.REASON_NO_DECODE_HANDLE or (
+        router is not None and router.handle == names.ROUTER_HANDLE_MISS
+    )
+    if not no_handle:
+        return None
+    prev = turn.previous
+    prev_returned = prev.decode.kv_params_returned if prev and prev.decode else None
+    prev_response = prev.response_kv_params if prev else None
+    prev_router = prev.router if prev else None
+    streamed = prev_router.decode_streamed if prev_router else (router.decode_streamed if router else None)
+    # The client-facing response's params are evidence only: routers usually strip them.
+    if not (prev_returned is False or streamed is True):
+        return None
+    decode_cfg = prev.decode.config if prev and prev.decode else (turn.decode.config if turn.decode else None)
+    if decode_cfg is not None and decode_cfg.bidirectional is False:
+        return None  # bidirectional_off explains it
+    tokens = lost_tokens(turn)
+    evidence = {
+        "turn_index": turn.index,
+        "pull_reason": turn.prefill.reason,
+        "router_handle": router.handle if router else None,
+        "previous_kv_params_returned": prev_returned,
+        "previous_response_kv_params": prev_response,
+        "decode_streamed": streamed,
+        "tokens_recomputed": tokens,
+    }
+    why = "the decode call was streamed" if streamed else "the decode node returned no kv_transfer_params"
+    return Diagnosis(
+        names.DIAG_DECODE_NO_HANDLE,
+        TITLES[names.DIAG_DECODE_NO_HANDLE],
+        f"The previous turn left no decode handle ({why}), so prefill recomputed {tokens} tokens.",
+        evidence,
+        "Streamed responses of vLLM builds without kv_transfer_params in the final chunk give the router "
+        "nothing to forward: have the router call the decode node non-streaming (or upgrade vLLM), and "
+        "check bidirectional_kv_xfer=true on the decode node.",
+        recompute_s(turn, tokens, ctx),
+    )
+
+
+def check_bidirectional_off(turn: Turn, ctx: Context) -> Diagnosis | None:
+    leg = turn.prefill
+    reason_off = leg is not None and leg.reason == names.REASON_BIDIRECTIONAL_OFF
+    p_cfg = turn.prefill.config.bidirectional if turn.prefill else None
+    d_leg = turn.decode or (turn.previous.decode if turn.previous else None)
+    d_cfg = d_leg.config.bidirectional if d_leg else None
+    config_off = p_cfg is False or d_cfg is False
+    pulled = bool(leg and leg.pulled)
+    if not (reason_off or (config_off and _not_first(turn) and not pulled)):
+        return None
+    sides = [side for side, value in (("prefill", p_cfg), ("decode", d_cfg)) if value is False]
+    side_text = " and ".join(sides) if sides else "one side"
+    tokens = lost_tokens(turn)
+    evidence = {
+        "pull_reason": leg.reason if leg else None,
+        "prefill_bidirectional_kv_xfer": p_cfg,
+        "decode_bidirectional_kv_xfer": d_cfg,
+        "tokens_recomputed": tokens,
+    }
+    return Diagnosis(
+        names.DIAG_BIDIRECTIONAL_OFF,
+        TITLES[names.DIAG_BIDIRECTIONAL_OFF],
+        f"bidirectional_kv_xfer is off on the {side_text} node, so the decode node's KV is never read "
+        f"back; prefill recomputed {tokens} tokens.",
+        evidence,
+        "Set kv_connector_extra_config.bidirectional_kv_xfer=true in --kv-transfer-config on both the "
+        "prefill and the decode node (and restart them).",
+        recompute_s(turn, tokens, ctx),
+    )
+
+
+def check_no_conversation_id(turn: Turn, ctx: Context) -> Diagnosis | None:
+    router = turn.router
+    router_none = router is not None and router.handle == names.ROUTER_HANDLE_NO_CONVERSATION
+    if not (turn.conversation_inferred or router_none):
+        return None
+    tokens = lost_tokens(turn) if router_none and _not_first(turn) else 0
+    evidence = {
+        "conversation_inferred": turn.conversation_inferred,
+        "conversation_id_source": turn.conversation_id_source,
+        "router_handle": router.handle if router else None,
+        "tokens_recomputed": tokens,
+    }
+    if router_none:
+        summary = (
+            "The router got no conversation id, so it could not hand over a decode handle "
+            f"({tokens} tokens recomputed)."
+        )
+    else:
+        summary = (
+            "The client sent no conversation id; the sidecar inferred one from the message prefix, "
+            "which breaks when the agent edits or truncates its history."
+        )
+    return Diagnosis(
+        names.DIAG_NO_CONVERSATION_ID,
+        TITLES[names.DIAG_NO_CONVERSATION_ID],
+        summary,
+        evidence,
+        "Send the conversation id on every request: header X-Conversation-Id (or X-Session-ID, or body "
+        "conversation_id / session_id).",
+        recompute_s(turn, tokens, ctx),
+    )
+
+
+def check_below_threshold(turn: Turn, ctx: Context) -> Diagnosis | None:
+    leg = turn.prefill
+    if leg is None or leg.reason != names.REASON_BELOW_THRESHOLD:
+        return None
+    reusable = leg.remote_reusable or 0
+    evidence = {
+        "remote_reusable_tokens": reusable,
+        "kv_recompute_threshold": leg.threshold,
+        "tokens_computed": leg.computed,
+        "per_token_compute_s": _r(ctx.per_token_s, 6),
+    }
+    return Diagnosis(
+        names.DIAG_BELOW_THRESHOLD,
+        TITLES[names.DIAG_BELOW_THRESHOLD],
+        f"Only {reusable} reusable tokens were on the decode node, below kv_recompute_threshold="
+        f"{leg.threshold}; prefill recomputed them.",
+        evidence,
+        f"If pulling {reusable} tokens is faster than recomputing them on this link, lower "
+        "kv_recompute_threshold (kv_connector_extra_config) below that; otherwise this is the threshold "
+        "doing its job.",
+        recompute_s(turn, reusable, ctx),
+    )
+
+
+def check_pull_slower(turn: Turn, ctx: Context) -> Diagnosis | None:
+    leg = turn.prefill
+    if leg is None or leg.decision != names.DECISION_PULL or not leg.pulled:
+        return None
+    if leg.transfer is not None and leg.transfer.outcome not in (None, names.TRANSFER_OK):
+        return None
+    pull = _pull_s(leg)
+    if pull is None or not ctx.per_token_s:
+        return None
+    estimate = leg.pulled * ctx.per_token_s
+    if pull <= estimate:
+        return None
+    t = leg.transfer
+    evidence = {
+        "pulled_tokens": leg.pulled,
+        "pull_s": _r(pull, 4),
+        "xfer_s": _r(t.xfer_s, 4) if t else None,
+        "bytes": t.bytes if t else None,
+        "backend": t.backend if t else None,
+        "per_token_compute_s": _r(ctx.per_token_s, 6),
+        "recompute_estimate_s": _r(estimate, 4),
+        "kv_recompute_threshold": leg.threshold,
+    }
+    return Diagnosis(
+        names.DIAG_PULL_SLOWER_THAN_RECOMPUTE,
+        TITLES[names.DIAG_PULL_SLOWER_THAN_RECOMPUTE],
+        f"Pulling {leg.pulled} tokens took {pull:.3f}s; recomputing them would have taken about "
+        f"{estimate:.3f}s.",
+        evidence,
+        f"Raise kv_recompute_threshold above {leg.pulled} tokens so requests this size recompute, or "
+        f"speed up the link (NIXL backend {t.backend if t and t.backend else '?'}: check UCX_TLS uses "
+        "RDMA/shared memory rather than TCP).",
+        pull - estimate,
+    )
+
+
+# ------------------------------------------------------------------ where the time went
+
+
+def check_queueing(turn: Turn, ctx: Context) -> Diagnosis | None:
+    phases = turn.phases
+    if phases is None or (turn.prefill is None and turn.decode is None):
+        return None
+    inp = phases.input_processing_s
+    prefill_s = turn.prefill.duration_s if turn.prefill else 0.0
+    d = turn.decode
+    transfer_s = d.transfer.wait_s if d and d.transfer and d.transfer.wait_s else 0.0
+    explained = prefill_s + transfer_s
+    unexplained = inp - explained
+    if unexplained < QUEUEING_MIN_S or unexplained < QUEUEING_MIN_SHARE * inp:
+        return None
+    evidence = {
+        "input_processing_s": _r(inp),
+        "prefill_engine_s": _r(prefill_s),
+        "p_to_d_wait_s": _r(transfer_s),
+        "unexplained_s": _r(unexplained),
+        "ttft_source": phases.ttft_source,
+    }
+    return Diagnosis(
+        names.DIAG_QUEUEING,
+        TITLES[names.DIAG_QUEUEING],
+        f"Input processing took {inp:.2f}s but the engines account for {explained:.2f}s; "
+        f"{unexplained:.2f}s went to queueing before them.",
+        evidence,
+        "Look at the router's and the vLLM API servers' queues: router concurrency limits, vLLM "
+        "--max-num-seqs and --api-server-count, and the prefill node's load.",
+        unexplained,
+    )
+
+
+def _dominates(turn: Turn, phase: str) -> tuple[float, float] | None:
+    phases = turn.phases
+    if phases is None:
+        return None
+    value = phases.as_dict()[phase]
+    total = phases.total_s
+    if total <= 0 or value < DOMINATES_MIN_S or value <= DOMINATES_SHARE * total:
+        return None
+    return value, total
+
+
+def check_tool_wait(turn: Turn, ctx: Context) -> Diagnosis | None:
+    found = _dominates(turn, names.PHASE_TOOL_WAIT)
+    if found is None or turn.phases is None:
+        return None
+    value, total = found
+    ttl = turn.decoder_ttl_s()
+    evidence = {
+        "tool_wait_s": _r(value),
+        "total_s": _r(total),
+        "share": _r(value / total),
+        "gap_source": turn.phases.gap_source,
+        "decoder_kv_blocks_ttl_s": _r(ttl),
+    }
+    return Diagnosis(
+        names.DIAG_TOOL_WAIT_DOMINATES,
+        TITLES[names.DIAG_TOOL_WAIT_DOMINATES],
+        f"The agent waited {value:.1f}s for tools, {value / total:.0%} of the {total:.1f}s turn.",
+        evidence,
+        "Not the fleet: speed up, cache or parallelize the agent's tools. If tool waits exceed "
+        "decoder_kv_blocks_ttl the KV is lost as well (see ttl_lapsed_during_gap).",
+        value,
+    )
+
+
+def check_app_work(turn: Turn, ctx: Context) -> Diagnosis | None:
+    found = _dominates(turn, names.PHASE_APP_WORK)
+    if found is None or turn.phases is None:
+        return None
+    value, total = found
+    evidence = {
+        "app_work_s": _r(value),
+        "total_s": _r(total),
+        "share": _r(value / total),
+        "gap_source": turn.phases.gap_source,
+    }
+    return Diagnosis(
+        names.DIAG_APP_WORK_DOMINATES,
+        TITLES[names.DIAG_APP_WORK_DOMINATES],
+        f"The agent spent {value:.1f}s on its own work between turns, {value / total:.0%} of the "
+        f"{total:.1f}s turn.",
+        evidence,
+        "Not the fleet: the agent's own time (planning, retries, a person reading). If it sends "
+        "execute_tool spans, tool time is separated out; otherwise instrument the agent to see more.",
+        value,
+    )
+
+
+Check = Callable[[Turn, Context], "Diagnosis | None"]
+
+CHECKS: tuple[Check, ...] = (
+    check_expired_read_failed,
+    check_stuck,
+    check_transfer_failed,
+    check_ttl_lapsed,
+    check_router_dropped,
+    check_decode_no_handle,
+    check_bidirectional_off,
+    check_no_conversation_id,
+    check_below_threshold,
+    check_pull_slower,
+    check_queueing,
+    check_tool_wait,
+    check_app_work,
+)
+_ORDER = {diag_id: i for i, diag_id in enumerate(TITLES)}
+FAILURES = frozenset(
+    (names.DIAG_EXPIRED_READ_FAILED, names.DIAG_STUCK_WAITING_FOR_REMOTE_KV, names.DIAG_TRANSFER_FAILED)
+)
+"""Diagnoses of a request that failed or hung: they rank above any slowness, whatever the cost,
+because a turn that failed is not explained by the tool wait before it."""
+
+
+def diagnose(turn: Turn, ctx: Context | None = None) -> list[Diagnosis]:
+    """Every diagnosis that applies to the turn: failures first, then costliest first.
+
+    Ties keep catalogue order (:data:`TITLES`).
+    """
+    ctx = ctx or Context()
+    found = [d for d in (check(turn, ctx) for check in CHECKS) if d is not None]
+    found.sort(key=lambda d: (d.id not in FAILURES, -d.cost_s, _ORDER.get(d.id, len(_ORDER))))
+    return found

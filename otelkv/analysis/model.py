@@ -1,0 +1,650 @@
+"""A rich model of one agent turn, rebuilt from the spans of its trace (pure logic).
+
+A turn's trace holds the sidecar's ``chat {model}`` span (the turn itself), the router's
+span and legs, and on each engine a ``kv_request`` span with ``kv_transfer`` and
+``kv_retention`` children. The decode node's retention ends when the *next* turn reads
+it or its TTL lapses, but it stays in this trace, so a turn read after the fact knows
+whether its KV survived the gap that followed.
+
+The sidecar computed the phase split at turn end with what it knew then. Better
+evidence often arrives later (the agent's ``execute_tool`` spans, engine spans that bound
+the first token of a non-streaming response), so :func:`build_turn` recomputes the split
+with :mod:`otelkv.analysis.phases` whenever it has such evidence.
+
+Without a sidecar span the model still works: an agent's ``chat`` span carrying a turn
+index (the reference fleet's driver) stands in, and failing that the engine spans alone
+give a turn without phases of the agent's side.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from otelkv import names
+from otelkv.analysis.attrs import attr_float, attr_int, attr_str, opt_bool, opt_float, opt_int, opt_str
+from otelkv.analysis.phases import GapSplit, Phases, split_gap, turn_phases
+from otelkv.sidecar.otlp import SpanRecord
+
+SOURCE_SIDECAR = "sidecar"
+"""The turn came from the sidecar's turn span (the authoritative source)."""
+SOURCE_AGENT = "agent"
+"""The turn came from an agent's own ``chat`` span with a turn index."""
+SOURCE_ENGINE = "engine"
+"""Only engine (and router) spans: no agent-side phases, no turn index."""
+
+
+@dataclass
+class EngineConfig:
+    """Configuration in force on one engine (its resource attributes)."""
+
+    engine_id: str | None = None
+    recompute_threshold: int | None = None
+    decoder_ttl_s: float | None = None
+    bidirectional: bool | None = None
+    load_failure_policy: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "kv_recompute_threshold": self.recompute_threshold,
+            "decoder_kv_blocks_ttl": self.decoder_ttl_s,
+            "bidirectional_kv_xfer": self.bidirectional,
+            "kv_load_failure_policy": self.load_failure_policy,
+        }
+
+
+@dataclass
+class Transfer:
+    """One ``kv_transfer`` span."""
+
+    direction: str
+    outcome: str | None
+    bytes: int
+    xfer_s: float | None
+    wait_s: float | None
+    post_s: float | None
+    tokens: int | None
+    backend: str | None
+    start_ns: int
+    end_ns: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "direction": self.direction,
+            "outcome": self.outcome,
+            "bytes": self.bytes,
+            "xfer_s": self.xfer_s,
+            "wait_s": self.wait_s,
+            "post_s": self.post_s,
+            "tokens": self.tokens,
+            "backend": self.backend,
+        }
+
+
+@dataclass
+class Retention:
+    """One ``kv_retention`` span (blocks kept for another engine to read)."""
+
+    kind: str
+    outcome: str | None
+    held_s: float | None
+    blocks: int
+    bytes: int
+    ttl_s: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "outcome": self.outcome,
+            "held_s": self.held_s,
+            "blocks": self.blocks,
+            "bytes": self.bytes,
+            "ttl_s": self.ttl_s,
+        }
+
+
+@dataclass
+class Leg:
+    """What one engine recorded for the turn's request (a ``kv_request {role}`` span)."""
+
+    role: str
+    request_id: str = ""
+    engine_id: str | None = None
+    start_ns: int = 0
+    end_ns: int = 0
+    outcome: str | None = None
+    status: str = "Unset"
+    status_message: str = ""
+    vllm_status: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int | None = None
+    computed: int | None = None
+    local_hit: int | None = None
+    pulled: int | None = None
+    remote_reusable: int | None = None
+    decision: str | None = None
+    reason: str | None = None
+    threshold: int | None = None
+    remote_kv_wait_s: float | None = None
+    kv_params_returned: bool | None = None
+    transfer: Transfer | None = None
+    retention: Retention | None = None
+    config: EngineConfig = field(default_factory=EngineConfig)
+
+    @property
+    def duration_s(self) -> float:
+        return max(self.end_ns - self.start_ns, 0) / 1e9
+
+    @property
+    def compute_s(self) -> float:
+        """Engine time not spent waiting for remote KV: the best local estimate of compute."""
+        wait = self.transfer.wait_s if self.transfer and self.transfer.wait_s else 0.0
+        return max(self.duration_s - wait, 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "request_id": self.request_id,
+            "engine_id": self.engine_id,
+            "duration_s": self.duration_s,
+            "outcome": self.outcome,
+            "status": self.status,
+            "status_message": self.status_message,
+            "vllm_status": self.vllm_status,
+            "tokens": {
+                "prompt": self.prompt_tokens,
+                "computed": self.computed,
+                "local_cache": self.local_hit,
+                "pulled": self.pulled,
+                "remote_reusable": self.remote_reusable,
+                "output": self.output_tokens,
+            },
+            "decision": self.decision,
+            "reason": self.reason,
+            "threshold": self.threshold,
+            "remote_kv_wait_s": self.remote_kv_wait_s,
+            "kv_params_returned": self.kv_params_returned,
+            "transfer": self.transfer.as_dict() if self.transfer else None,
+            "retention": self.retention.as_dict() if self.retention else None,
+            "config": self.config.as_dict(),
+        }
+
+
+@dataclass
+class RouterInfo:
+    """The router's view of the turn (``router {operation}`` span)."""
+
+    handle: str | None = None
+    handle_age_s: float | None = None
+    decode_streamed: bool | None = None
+    http_status: int | None = None
+    status: str = "Unset"
+    status_message: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "handle": self.handle,
+            "handle_age_s": self.handle_age_s,
+            "decode_streamed": self.decode_streamed,
+            "http_status": self.http_status,
+            "status": self.status,
+            "status_message": self.status_message,
+        }
+
+
+@dataclass
+class Turn:
+    """One agent turn: identity, timing and phases, and what the fleet did for it."""
+
+    trace_id: str
+    source: str
+    span_id: str = ""
+    conversation_id: str = ""
+    conversation_inferred: bool | None = None
+    conversation_id_source: str | None = None
+    index: int | None = None
+    model: str | None = None
+    start_ns: int = 0
+    end_ns: int = 0
+    stream: bool | None = None
+    ttft_s: float | None = None
+    status: str = "ok"
+    status_message: str = ""
+    http_status: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_tokens: int | None = None
+    finish_reasons: str | None = None
+    response_kv_params: bool | None = None
+    asked_tools: bool | None = None
+    tool_results: int | None = None
+    previous_trace_id: str = ""
+    gap_s: float = 0.0
+    phases: Phases | None = None
+    router: RouterInfo | None = None
+    prefill: Leg | None = None
+    decode: Leg | None = None
+    previous: Turn | None = field(default=None, repr=False)
+    span_count: int = 0
+
+    @property
+    def request_s(self) -> float:
+        return max(self.end_ns - self.start_ns, 0) / 1e9
+
+    @property
+    def total_s(self) -> float:
+        return self.phases.total_s if self.phases else self.request_s + self.gap_s
+
+    @property
+    def gap_start_ns(self) -> int:
+        return self.start_ns - round(self.gap_s * 1e9)
+
+    def configs(self) -> list[EngineConfig]:
+        return [leg.config for leg in (self.prefill, self.decode) if leg is not None]
+
+    def decoder_ttl_s(self) -> float | None:
+        """The decode TTL that governed this turn's hand-off: the previous retention first."""
+        prev = self.previous
+        if prev and prev.decode and prev.decode.retention and prev.decode.retention.ttl_s is not None:
+            return prev.decode.retention.ttl_s
+        for leg in (self.decode, self.prefill):
+            if leg is not None and leg.config.decoder_ttl_s is not None:
+                return leg.config.decoder_ttl_s
+        if prev and prev.decode and prev.decode.config.decoder_ttl_s is not None:
+            return prev.decode.config.decoder_ttl_s
+        return None
+
+    def phase_dict(self) -> dict[str, float] | None:
+        return self.phases.as_dict() if self.phases else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything known about the turn, JSON-able (the ``turn`` of ``why``)."""
+        return {
+            "trace_id": self.trace_id,
+            "span_id": self.span_id,
+            "source": self.source,
+            "conversation_id": self.conversation_id,
+            "conversation_inferred": self.conversation_inferred,
+            "conversation_id_source": self.conversation_id_source,
+            "turn_index": self.index,
+            "model": self.model,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "stream": self.stream,
+            "status": self.status,
+            "status_message": self.status_message,
+            "http_status": self.http_status,
+            "total_s": self.total_s,
+            "request_s": self.request_s,
+            "gap_s": self.gap_s,
+            "phases": self.phase_dict(),
+            "gap_source": self.phases.gap_source if self.phases else None,
+            "ttft_s": self.ttft_s,
+            "ttft_source": self.phases.ttft_source if self.phases else None,
+            "usage": {
+                "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens,
+                "cache_read_input_tokens": self.cache_read_tokens,
+            },
+            "finish_reasons": self.finish_reasons,
+            "response_kv_params": self.response_kv_params,
+            "asked_tools": self.asked_tools,
+            "tool_results": self.tool_results,
+            "previous_trace_id": self.previous_trace_id,
+            "router": self.router.as_dict() if self.router else None,
+            "prefill": self.prefill.as_dict() if self.prefill else None,
+            "decode": self.decode.as_dict() if self.decode else None,
+        }
+
+
+# ------------------------------------------------------------------ span classification
+
+
+def is_sidecar_turn_span(span: SpanRecord) -> bool:
+    """The sidecar's ``chat`` span: the span that defines a turn."""
+    return span.scope_name == names.SCOPE_SIDECAR and attr_str(
+        span.attributes, names.GEN_AI_OPERATION_NAME
+    ) in (
+        "chat",
+        "text_completion",
+    )
+
+
+def is_agent_turn_span(span: SpanRecord) -> bool:
+    """Another scope's ``chat`` span with a turn index (e.g. the reference agent driver)."""
+    a = span.attributes
+    return (
+        span.scope_name != names.SCOPE_SIDECAR
+        and attr_str(a, names.GEN_AI_OPERATION_NAME) == "chat"
+        and opt_int(a, names.TURN_INDEX) is not None
+    )
+
+
+def is_tool_span(span: SpanRecord) -> bool:
+    return attr_str(span.attributes, names.GEN_AI_OPERATION_NAME) == "execute_tool"
+
+
+def _is_router_span(span: SpanRecord) -> bool:
+    return names.ROUTER_HANDLE in span.attributes or (
+        span.name.startswith("router ") and not span.name.startswith("router_leg")
+    )
+
+
+def _is_engine_request(span: SpanRecord) -> bool:
+    return span.name.startswith("kv_request") and names.ROLE in span.attributes
+
+
+# ------------------------------------------------------------------ building
+
+
+def _config(resource: dict[str, Any]) -> EngineConfig:
+    return EngineConfig(
+        engine_id=opt_str(resource, names.ENGINE_ID),
+        recompute_threshold=opt_int(resource, names.KV_RECOMPUTE_THRESHOLD),
+        decoder_ttl_s=opt_float(resource, names.DECODER_KV_BLOCKS_TTL),
+        bidirectional=opt_bool(resource, names.BIDIRECTIONAL_KV_XFER),
+        load_failure_policy=opt_str(resource, names.KV_LOAD_FAILURE_POLICY),
+    )
+
+
+def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
+    a = request.attributes
+    config = _config(request.resource)
+    leg = Leg(
+        role=attr_str(a, names.ROLE),
+        request_id=attr_str(a, names.REQUEST_ID),
+        engine_id=config.engine_id,
+        start_ns=request.start_ns,
+        end_ns=request.end_ns,
+        outcome=opt_str(a, names.REQUEST_OUTCOME),
+        status=request.status_code or "Unset",
+        status_message=request.status_message,
+        vllm_status=opt_str(a, names.REQUEST_STATUS),
+        prompt_tokens=attr_int(a, names.GEN_AI_USAGE_INPUT_TOKENS),
+        output_tokens=opt_int(a, names.GEN_AI_USAGE_OUTPUT_TOKENS),
+        computed=opt_int(a, names.TOKENS_COMPUTED),
+        local_hit=opt_int(a, names.TOKENS_LOCAL_CACHE_HIT),
+        pulled=opt_int(a, names.TOKENS_PULLED),
+        remote_reusable=opt_int(a, names.TOKENS_REMOTE_REUSABLE),
+        decision=opt_str(a, names.PULL_DECISION),
+        reason=opt_str(a, names.PULL_REASON),
+        threshold=opt_int(a, names.KV_RECOMPUTE_THRESHOLD),
+        remote_kv_wait_s=opt_float(a, names.REMOTE_KV_WAIT_SECONDS),
+        kv_params_returned=opt_bool(a, names.KV_PARAMS_RETURNED),
+        config=config,
+    )
+    if leg.threshold is None:
+        leg.threshold = config.recompute_threshold
+    for child in sorted(children, key=lambda s: s.start_ns):
+        c = child.attributes
+        if names.TRANSFER_DIRECTION in c or child.name.startswith("kv_transfer"):
+            leg.transfer = Transfer(
+                direction=attr_str(c, names.TRANSFER_DIRECTION),
+                outcome=opt_str(c, names.TRANSFER_OUTCOME),
+                bytes=attr_int(c, names.TRANSFER_BYTES),
+                xfer_s=opt_float(c, names.TRANSFER_XFER_SECONDS),
+                wait_s=opt_float(c, names.TRANSFER_WAIT_SECONDS),
+                post_s=opt_float(c, names.TRANSFER_POST_SECONDS),
+                tokens=opt_int(c, names.TRANSFER_TOKENS),
+                backend=opt_str(c, names.TRANSFER_BACKEND),
+                start_ns=child.start_ns,
+                end_ns=child.end_ns,
+            )
+        elif names.RETENTION_KIND in c or child.name.startswith("kv_retention"):
+            leg.retention = Retention(
+                kind=attr_str(c, names.RETENTION_KIND),
+                outcome=opt_str(c, names.RETENTION_OUTCOME),
+                held_s=opt_float(c, names.RETENTION_HELD_SECONDS),
+                blocks=attr_int(c, names.RETENTION_BLOCKS),
+                bytes=attr_int(c, names.RETENTION_BYTES),
+                ttl_s=opt_float(c, names.RETENTION_TTL_SECONDS),
+            )
+    return leg
+
+
+def _in_gap(
+    tools: Iterable[SpanRecord], conversation_id: str, start_ns: int, end_ns: int
+) -> list[tuple[int, int]]:
+    """Intervals of this conversation's tool spans that overlap the gap.
+
+    Tool spans live in the agent's own traces, so they join the turn by conversation id
+    (``gen_ai.conversation.id``); a tool span without one cannot be attributed safely.
+    """
+    out = []
+    for span in tools:
+        if not is_tool_span(span) or span.end_ns <= start_ns or span.start_ns >= end_ns:
+            continue
+        if conversation_id and attr_str(span.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id:
+            out.append((span.start_ns, span.end_ns))
+    return out
+
+
+def _pick_turn_span(spans: Sequence[SpanRecord]) -> SpanRecord | None:
+    sidecar = [s for s in spans if is_sidecar_turn_span(s)]
+    if sidecar:
+        return min(sidecar, key=lambda s: s.start_ns)
+    agent = [s for s in spans if is_agent_turn_span(s)]
+    return min(agent, key=lambda s: s.start_ns) if agent else None
+
+
+def build_turn(
+    spans: Sequence[SpanRecord],
+    *,
+    tool_spans: Iterable[SpanRecord] = (),
+    previous: Turn | None = None,
+) -> Turn | None:
+    """The turn of one trace, or None if the trace holds neither a turn nor an engine request.
+
+    ``tool_spans`` are the agent's ``execute_tool`` spans (any trace); those of this
+    conversation that fall in the gap before the turn override the sidecar's
+    message-based split. ``previous`` links the previous turn (its decode retention tells
+    whether the KV this turn could have read was still there).
+    """
+    if not spans:
+        return None
+    trace_id = spans[0].trace_id
+    children: dict[str, list[SpanRecord]] = defaultdict(list)
+    for span in spans:
+        children[span.parent_span_id].append(span)
+    prefills: list[Leg] = []
+    decodes: list[Leg] = []
+    router: RouterInfo | None = None
+    for span in spans:
+        if _is_engine_request(span):
+            leg = _leg(span, children.get(span.span_id, []))
+            if leg.role == names.ROLE_DECODE:
+                decodes.append(leg)
+            else:
+                prefills.append(leg)
+        elif _is_router_span(span) and router is None:
+            a = span.attributes
+            router = RouterInfo(
+                handle=opt_str(a, names.ROUTER_HANDLE),
+                handle_age_s=opt_float(a, names.ROUTER_HANDLE_AGE_SECONDS),
+                decode_streamed=opt_bool(a, names.ROUTER_DECODE_STREAMED),
+                http_status=opt_int(a, names.HTTP_STATUS),
+                status=span.status_code,
+                status_message=span.status_message,
+            )
+    turn_span = _pick_turn_span(spans)
+    if turn_span is None and not prefills and not decodes:
+        return None
+    # Retries leave several requests per role: the last one is the one that answered.
+    prefill = max(prefills, key=lambda leg: leg.start_ns) if prefills else None
+    decode = max(decodes, key=lambda leg: leg.start_ns) if decodes else None
+    turn = Turn(trace_id=trace_id, source=SOURCE_ENGINE, router=router, prefill=prefill, decode=decode)
+    turn.previous = previous
+    turn.span_count = len(spans)
+    if turn_span is not None:
+        _fill_from_turn_span(turn, turn_span)
+    else:
+        _fill_from_engines(turn, spans)
+    if previous is not None and not turn.previous_trace_id:
+        turn.previous_trace_id = previous.trace_id
+    turn.phases = _phases(turn, turn_span, list(tool_spans))
+    return turn
+
+
+def _fill_from_turn_span(turn: Turn, span: SpanRecord) -> None:
+    a = span.attributes
+    turn.source = SOURCE_SIDECAR if span.scope_name == names.SCOPE_SIDECAR else SOURCE_AGENT
+    turn.span_id = span.span_id
+    turn.conversation_id = attr_str(a, names.GEN_AI_CONVERSATION_ID)
+    turn.conversation_inferred = opt_bool(a, names.CONVERSATION_INFERRED)
+    turn.conversation_id_source = opt_str(a, names.CONVERSATION_ID_SOURCE)
+    turn.index = opt_int(a, names.TURN_INDEX)
+    turn.model = opt_str(a, names.GEN_AI_REQUEST_MODEL)
+    turn.start_ns, turn.end_ns = span.start_ns, span.end_ns
+    turn.stream = opt_bool(a, names.TURN_STREAM)
+    turn.ttft_s = opt_float(a, names.TURN_TTFT_SECONDS)
+    turn.http_status = opt_int(a, names.HTTP_STATUS)
+    failed = span.status_code == "Error" or (turn.http_status is not None and turn.http_status >= 400)
+    turn.status = "error" if failed else "ok"
+    turn.status_message = span.status_message
+    turn.input_tokens = opt_int(a, names.GEN_AI_USAGE_INPUT_TOKENS)
+    turn.output_tokens = opt_int(a, names.GEN_AI_USAGE_OUTPUT_TOKENS)
+    turn.cache_read_tokens = opt_int(a, names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS)
+    turn.finish_reasons = opt_str(a, names.GEN_AI_RESPONSE_FINISH_REASONS)
+    turn.response_kv_params = opt_bool(a, names.TURN_RESPONSE_KV_PARAMS)
+    turn.asked_tools = opt_bool(a, names.TURN_ASKED_TOOLS)
+    turn.tool_results = opt_int(a, names.TURN_TOOL_RESULTS)
+    turn.previous_trace_id = attr_str(a, names.TURN_PREVIOUS_TRACE_ID)
+    turn.gap_s = max(attr_float(a, names.TURN_GAP_SECONDS), 0.0)
+
+
+def _fill_from_engines(turn: Turn, spans: Sequence[SpanRecord]) -> None:
+    legs = [leg for leg in (turn.prefill, turn.decode) if leg is not None]
+    engine_spans = [s for s in spans if _is_engine_request(s) or _is_router_span(s)]
+    turn.start_ns = min(s.start_ns for s in engine_spans)
+    turn.end_ns = max(s.end_ns for s in engine_spans)
+    turn.span_id = min(engine_spans, key=lambda s: s.start_ns).span_id
+    for span in engine_spans:
+        cid = attr_str(span.attributes, names.GEN_AI_CONVERSATION_ID)
+        if cid:
+            turn.conversation_id = cid
+            break
+    failed = any(leg.status == "Error" for leg in legs) or any(s.status_code == "Error" for s in engine_spans)
+    turn.status = "error" if failed else "ok"
+    if turn.prefill:
+        turn.input_tokens = turn.prefill.prompt_tokens
+    if turn.decode:
+        turn.output_tokens = turn.decode.output_tokens
+
+
+def _phases(turn: Turn, turn_span: SpanRecord | None, tools: list[SpanRecord]) -> Phases:
+    """The four-phase split, recomputed when the trace holds better evidence than the sidecar had."""
+    a = turn_span.attributes if turn_span is not None else {}
+    prev = turn.previous
+    first = turn.index == 0 if turn.index is not None else prev is None
+    if turn.source != SOURCE_SIDECAR and prev is not None and turn.start_ns > prev.end_ns:
+        turn.gap_s = (turn.start_ns - prev.end_ns) / 1e9
+    gap_start, gap_end = turn.gap_start_ns, turn.start_ns
+    intervals = _in_gap(tools, turn.conversation_id, gap_start, gap_end) if turn.gap_s > 0 else []
+    if intervals:
+        gap = split_gap(gap_start, gap_end, tool_intervals=intervals)
+    elif turn.source == SOURCE_SIDECAR and opt_str(a, names.TURN_GAP_SOURCE) is not None:
+        tool_wait = max(attr_float(a, names.TURN_TOOL_WAIT_SECONDS), 0.0)
+        app_work = max(attr_float(a, names.TURN_APP_WORK_SECONDS), 0.0)
+        if abs(tool_wait + app_work - turn.gap_s) > 1e-3:  # keep the sum exact
+            app_work = max(turn.gap_s - tool_wait, 0.0)
+        gap = GapSplit(tool_wait, app_work, attr_str(a, names.TURN_GAP_SOURCE))
+    else:
+        gap = split_gap(
+            gap_start,
+            gap_end,
+            previous_asked_tools=bool(prev and prev.asked_tools),
+            tool_results=turn.tool_results or 0,
+            first_turn=first and turn.gap_s == 0,
+        )
+    stream_ttft = turn.ttft_s if (turn.stream and turn.ttft_s is not None) else None
+    engine_ttft = None
+    if stream_ttft is None and turn.prefill is not None and turn.prefill.end_ns > turn.start_ns:
+        engine_ttft = (turn.prefill.end_ns - turn.start_ns) / 1e9
+    phases = turn_phases(gap, turn.request_s, stream_ttft_s=stream_ttft, engine_ttft_s=engine_ttft)
+    if turn.ttft_s is None and phases.ttft_source != names.TTFT_SOURCE_RESPONSE:
+        turn.ttft_s = phases.input_processing_s
+    return phases
+
+
+# ------------------------------------------------------------------ grouping helpers
+
+
+def group_by_trace(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
+    out: dict[str, list[SpanRecord]] = defaultdict(list)
+    for span in spans:
+        out[span.trace_id].append(span)
+    return out
+
+
+def build_turns(
+    spans: Iterable[SpanRecord], *, tool_spans: Iterable[SpanRecord] = (), link: bool = True
+) -> list[Turn]:
+    """Every turn in a span list, by conversation and index, each linked to its predecessor.
+
+    The predecessor is the turn whose trace id this turn names (sidecar), else the turn
+    of the same conversation with index one lower.
+    """
+    tools = list(tool_spans)
+    by_trace = group_by_trace(spans)
+    plain = {tid: build_turn(group) for tid, group in by_trace.items()}
+    built = {tid: t for tid, t in plain.items() if t is not None}
+    if not link:
+        return sorted(built.values(), key=_order)
+    by_index = {(t.conversation_id, t.index): t for t in built.values() if t.index is not None}
+    out: dict[str, Turn] = {}
+
+    def resolve(tid: str, depth: int = 0) -> Turn:
+        if tid in out:
+            return out[tid]
+        base = built[tid]
+        prev_id = base.previous_trace_id
+        if not prev_id and base.index:
+            candidate = by_index.get((base.conversation_id, base.index - 1))
+            prev_id = candidate.trace_id if candidate else ""
+        previous = (
+            resolve(prev_id, depth + 1) if prev_id in built and prev_id != tid and depth < 500 else None
+        )
+        turn = build_turn(by_trace[tid], tool_spans=tools, previous=previous) or base
+        out[tid] = turn
+        return turn
+
+    for tid in sorted(built, key=lambda t: _order(built[t])):
+        resolve(tid)
+    return sorted(out.values(), key=_order)
+
+
+def _order(turn: Turn) -> tuple[str, int, int]:
+    return (turn.conversation_id, turn.index if turn.index is not None else -1, turn.start_ns)
+
+
+def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = 16) -> float | None:
+    """Median seconds per computed prompt token on the prefill node, over the given turns.
+
+    A prefill span's duration minus its KV wait, divided by the tokens it computed, is
+    the cost of recomputing one token on that engine; the median over sibling turns
+    damps one-off queueing. Requests that computed fewer than ``min_tokens`` are
+    skipped (fixed per-request overhead dominates them).
+    """
+    rates = []
+    for turn in turns:
+        leg = turn.prefill
+        if (
+            leg is None
+            or not leg.computed
+            or leg.computed < min_tokens
+            or leg.outcome
+            not in (
+                None,
+                names.OUTCOME_FINISHED,
+            )
+        ):
+            continue
+        rates.append(leg.compute_s / leg.computed)
+    if not rates:
+        return None
+    rates.sort()
+    mid = len(rates) // 2
+    return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2

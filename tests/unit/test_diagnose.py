@@ -1,0 +1,629 @@
+"""The diagnosis catalogue and the turn model, on hand-built spans (native and stored-string attributes)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from otelkv import names
+from otelkv.analysis.diagnose import Context, diagnose
+from otelkv.analysis.model import SOURCE_AGENT, SOURCE_ENGINE, SOURCE_SIDECAR, Turn, build_turn, build_turns
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.store.rows import attr_map
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+_ids = itertools.count(1)
+
+
+def _sid() -> str:
+    return f"{next(_ids):016x}"
+
+
+def trace_id(conv: str, index: int) -> str:
+    return f"{abs(hash((conv, index))) % (1 << 120):032x}"
+
+
+def engine_resource(role: str, **config: Any) -> dict[str, Any]:
+    res = {
+        "service.name": f"vllm-{role}",
+        names.ENGINE_ID: f"{role}-0",
+        names.KV_RECOMPUTE_THRESHOLD: 64,
+        names.DECODER_KV_BLOCKS_TTL: 12.0,
+        names.BIDIRECTIONAL_KV_XFER: True,
+        names.KV_LOAD_FAILURE_POLICY: "fail",
+    }
+    res.update(config)
+    return res
+
+
+def turn_trace(
+    conv: str = "conv-1",
+    index: int = 1,
+    *,
+    start_s: float = 100.0,
+    request_s: float = 1.0,
+    gap_s: float = 2.0,
+    tool_wait_s: float | None = None,
+    stream: bool = True,
+    ttft_s: float = 0.4,
+    prev_trace: str = "",
+    turn: dict[str, Any] | None = None,
+    router: dict[str, Any] | None = None,
+    prefill: dict[str, Any] | None = None,
+    prefill_transfer: dict[str, Any] | None = None,
+    prefill_span: tuple[float, float] = (0.05, 0.3),
+    prefill_resource: dict[str, Any] | None = None,
+    decode: dict[str, Any] | None = None,
+    decode_transfer: dict[str, Any] | None = None,
+    decode_resource: dict[str, Any] | None = None,
+    retention: dict[str, Any] | None = None,
+    engines: bool = True,
+    turn_scope: str = names.SCOPE_SIDECAR,
+    status: str = "Unset",
+) -> list[SpanRecord]:
+    """One turn's trace: sidecar turn span, router span, prefill and decode kv_request spans."""
+    tid = trace_id(conv, index)
+    start = T0 + int(start_s * S)
+    end = start + int(request_s * S)
+    first = index == 0
+    tool_wait = (0.0 if first else gap_s) if tool_wait_s is None else tool_wait_s
+    attrs: dict[str, Any] = {
+        names.GEN_AI_OPERATION_NAME: "chat",
+        names.GEN_AI_REQUEST_MODEL: "tiny",
+        names.GEN_AI_CONVERSATION_ID: conv,
+        names.CONVERSATION_ID_SOURCE: "header_conversation_id",
+        names.CONVERSATION_INFERRED: False,
+        names.TURN_INDEX: index,
+        names.TURN_STREAM: stream,
+        names.TURN_LAST_TOKEN_SECONDS: request_s,
+        names.GEN_AI_USAGE_INPUT_TOKENS: 300,
+        names.GEN_AI_USAGE_OUTPUT_TOKENS: 40,
+        names.TURN_RESPONSE_KV_PARAMS: False,
+        names.TURN_ASKED_TOOLS: True,
+        names.TURN_TOOL_RESULTS: 0 if first else 1,
+        names.TURN_PREVIOUS_TRACE_ID: prev_trace,
+        names.TURN_GAP_SECONDS: 0.0 if first else gap_s,
+        names.TURN_GAP_SOURCE: names.GAP_SOURCE_NONE if first else names.GAP_SOURCE_MESSAGES,
+        names.TURN_TOOL_WAIT_SECONDS: tool_wait,
+        names.TURN_APP_WORK_SECONDS: (0.0 if first else gap_s) - tool_wait,
+        names.TURN_INPUT_PROCESSING_SECONDS: ttft_s if stream else request_s,
+        names.TURN_GENERATION_SECONDS: request_s - ttft_s if stream else 0.0,
+        names.TURN_TOTAL_SECONDS: request_s + (0.0 if first else gap_s),
+        names.TURN_TTFT_SOURCE: names.TTFT_SOURCE_STREAM if stream else names.TTFT_SOURCE_RESPONSE,
+        names.HTTP_STATUS: 200,
+    }
+    if stream:
+        attrs[names.TURN_TTFT_SECONDS] = ttft_s
+    attrs.update(turn or {})
+    root = SpanRecord(
+        tid,
+        _sid(),
+        "",
+        "chat tiny",
+        "Server",
+        start,
+        end,
+        attrs,
+        {"service.name": "otelkv-sidecar"},
+        scope_name=turn_scope,
+        status_code=status,
+    )
+    spans = [root]
+    if router is not None or engines:
+        r_attrs = {
+            names.ROUTER_HANDLE: names.ROUTER_HANDLE_HIT,
+            names.ROUTER_HANDLE_AGE_SECONDS: gap_s,
+            names.ROUTER_DECODE_STREAMED: False,
+            names.HTTP_STATUS: 200,
+        }
+        r_attrs.update(router or {})
+        spans.append(
+            SpanRecord(
+                tid,
+                _sid(),
+                root.span_id,
+                "router chat",
+                "Server",
+                start + S // 100,
+                end - S // 100,
+                r_attrs,
+                {"service.name": "router"},
+                scope_name=names.SCOPE_FLEET,
+            )
+        )
+    if not engines:
+        return spans
+    router_span = spans[-1]
+    p_attrs: dict[str, Any] = {
+        names.ROLE: names.ROLE_PREFILL,
+        names.REQUEST_ID: f"req-{conv}-{index}-p",
+        names.REQUEST_OUTCOME: names.OUTCOME_FINISHED,
+        names.GEN_AI_USAGE_INPUT_TOKENS: 300,
+        names.TOKENS_LOCAL_CACHE_HIT: 0,
+        names.TOKENS_PULLED: 0,
+        names.TOKENS_COMPUTED: 300,
+        names.PULL_DECISION: names.DECISION_RECOMPUTE,
+        names.PULL_REASON: names.REASON_NO_DECODE_HANDLE if first else names.REASON_PULLED,
+        names.KV_RECOMPUTE_THRESHOLD: 64,
+        names.TOKENS_REMOTE_REUSABLE: 0,
+    }
+    p_attrs.update(prefill or {})
+    p_start, p_end = start + int(prefill_span[0] * S), start + int(prefill_span[1] * S)
+    p_span = SpanRecord(
+        tid,
+        _sid(),
+        router_span.span_id,
+        "kv_request prefill",
+        "Internal",
+        p_start,
+        p_end,
+        p_attrs,
+        engine_resource("prefill", **(prefill_resource or {})),
+        scope_name=names.SCOPE_ENGINE,
+        status_code="Error" if p_attrs[names.REQUEST_OUTCOME] != names.OUTCOME_FINISHED else "Unset",
+    )
+    spans.append(p_span)
+    if prefill_transfer is not None:
+        t_attrs = {
+            names.TRANSFER_DIRECTION: names.DIRECTION_D_TO_P,
+            names.TRANSFER_OUTCOME: names.TRANSFER_OK,
+            names.TRANSFER_BYTES: 1 << 20,
+            names.TRANSFER_XFER_SECONDS: 0.01,
+            names.TRANSFER_WAIT_SECONDS: 0.02,
+            names.TRANSFER_BACKEND: "UCX",
+            names.TRANSFER_TOKENS: 256,
+        }
+        t_attrs.update(prefill_transfer)
+        spans.append(
+            SpanRecord(
+                tid,
+                _sid(),
+                p_span.span_id,
+                "kv_transfer D->P",
+                "Internal",
+                p_start,
+                p_start + S // 50,
+                t_attrs,
+                p_span.resource,
+                scope_name=names.SCOPE_ENGINE,
+            )
+        )
+    d_attrs: dict[str, Any] = {
+        names.ROLE: names.ROLE_DECODE,
+        names.REQUEST_ID: f"req-{conv}-{index}-d",
+        names.REQUEST_OUTCOME: names.OUTCOME_FINISHED,
+        names.GEN_AI_USAGE_INPUT_TOKENS: 300,
+        names.GEN_AI_USAGE_OUTPUT_TOKENS: 40,
+        names.KV_PARAMS_RETURNED: True,
+    }
+    d_attrs.update(decode or {})
+    d_span = SpanRecord(
+        tid,
+        _sid(),
+        router_span.span_id,
+        "kv_request decode",
+        "Internal",
+        p_end,
+        end - S // 50,
+        d_attrs,
+        engine_resource("decode", **(decode_resource or {})),
+        scope_name=names.SCOPE_ENGINE,
+    )
+    spans.append(d_span)
+    dt = {
+        names.TRANSFER_DIRECTION: names.DIRECTION_P_TO_D,
+        names.TRANSFER_OUTCOME: names.TRANSFER_OK,
+        names.TRANSFER_BYTES: 2 << 20,
+        names.TRANSFER_XFER_SECONDS: 0.01,
+        names.TRANSFER_WAIT_SECONDS: 0.02,
+        names.TRANSFER_BACKEND: "UCX",
+    }
+    dt.update(decode_transfer or {})
+    spans.append(
+        SpanRecord(
+            tid,
+            _sid(),
+            d_span.span_id,
+            "kv_transfer P->D",
+            "Internal",
+            p_end,
+            p_end + S // 50,
+            dt,
+            d_span.resource,
+            scope_name=names.SCOPE_ENGINE,
+        )
+    )
+    if retention is not None:
+        ret = {
+            names.RETENTION_KIND: names.RETENTION_DECODE_TTL,
+            names.RETENTION_BLOCKS: 10,
+            names.RETENTION_BYTES: 10 << 16,
+            names.RETENTION_TTL_SECONDS: 12.0,
+            names.RETENTION_OUTCOME: names.RETENTION_CONSUMED,
+            names.RETENTION_HELD_SECONDS: gap_s,
+        }
+        ret.update(retention)
+        spans.append(
+            SpanRecord(
+                tid,
+                _sid(),
+                d_span.span_id,
+                "kv_retention decode_ttl",
+                "Internal",
+                end,
+                end + int(float(ret[names.RETENTION_HELD_SECONDS]) * S),
+                ret,
+                d_span.resource,
+                scope_name=names.SCOPE_ENGINE,
+            )
+        )
+    return spans
+
+
+def stored(spans: list[SpanRecord]) -> list[SpanRecord]:
+    """The spans as the store returns them: every attribute value a string."""
+    return [replace(s, attributes=attr_map(s.attributes), resource=attr_map(s.resource)) for s in spans]
+
+
+def pair(prev_kw: dict[str, Any] | None = None, **kw: Any) -> tuple[list[SpanRecord], list[SpanRecord]]:
+    """(turn 0 trace, turn 1 trace) of one conversation, turn 1 after turn 0's end plus the gap."""
+    conv = kw.pop("conv", "conv-1")
+    prev = turn_trace(conv, 0, start_s=100.0, **(prev_kw or {}))
+    gap = kw.get("gap_s", 2.0)
+    cur = turn_trace(conv, 1, start_s=101.0 + gap, prev_trace=prev[0].trace_id, **kw)
+    return prev, cur
+
+
+def linked(prev: list[SpanRecord], cur: list[SpanRecord], tools: list[SpanRecord] | None = None) -> Turn:
+    p = build_turn(prev)
+    turn = build_turn(cur, previous=p, tool_spans=tools or [])
+    assert turn is not None
+    return turn
+
+
+def ids(turn: Turn, ctx: Context | None = None) -> list[str]:
+    return [d.id for d in diagnose(turn, ctx)]
+
+
+FORMS = pytest.mark.parametrize("form", [lambda s: s, stored], ids=["native", "stored"])
+
+
+# ------------------------------------------------------------------ model
+
+
+@FORMS
+def test_turn_model_reads_every_leg(form: Any) -> None:
+    prev, cur = pair(
+        prev_kw={"retention": {names.RETENTION_OUTCOME: names.RETENTION_CONSUMED}},
+        prefill={
+            names.PULL_DECISION: names.DECISION_PULL,
+            names.TOKENS_PULLED: 256,
+            names.TOKENS_COMPUTED: 44,
+            names.TOKENS_REMOTE_REUSABLE: 256,
+        },
+        prefill_transfer={},
+    )
+    turn = linked(form(prev), form(cur))
+    assert turn.source == SOURCE_SIDECAR
+    assert (turn.conversation_id, turn.index, turn.stream) == ("conv-1", 1, True)
+    assert turn.previous is not None and turn.previous.decode is not None
+    assert turn.previous.decode.retention is not None
+    assert turn.previous.decode.retention.outcome == names.RETENTION_CONSUMED
+    p = turn.prefill
+    assert p is not None and (p.pulled, p.computed, p.remote_reusable, p.threshold) == (256, 44, 256, 64)
+    assert p.transfer is not None and p.transfer.bytes == 1 << 20 and p.transfer.xfer_s == pytest.approx(0.01)
+    assert p.config.bidirectional is True and p.config.decoder_ttl_s == 12.0
+    assert turn.decode is not None and turn.decode.kv_params_returned is True
+    assert turn.router is not None and turn.router.handle == names.ROUTER_HANDLE_HIT
+    assert turn.total_s == pytest.approx(3.0)
+    assert turn.phases is not None and turn.phases.input_processing_s == pytest.approx(0.4)
+    assert turn.phases.tool_wait_s == pytest.approx(2.0)
+    assert turn.decoder_ttl_s() == 12.0
+    assert ids(turn) == [names.DIAG_TOOL_WAIT_DOMINATES]  # nothing wrong in the fleet
+    assert turn.as_dict()["prefill"]["tokens"]["pulled"] == 256
+
+
+@FORMS
+def test_agent_tool_spans_override_message_split(form: Any) -> None:
+    prev, cur = pair(gap_s=10.0)
+    gap_start = T0 + 101 * S
+    tool = SpanRecord(
+        "f" * 32,
+        _sid(),
+        "",
+        "execute_tool search",
+        "Internal",
+        gap_start + 1 * S,
+        gap_start + 5 * S,
+        {
+            names.GEN_AI_OPERATION_NAME: "execute_tool",
+            names.GEN_AI_TOOL_NAME: "search",
+            names.GEN_AI_CONVERSATION_ID: "conv-1",
+        },
+        {},
+    )
+    other = replace(
+        tool, span_id=_sid(), attributes={**tool.attributes, names.GEN_AI_CONVERSATION_ID: "other"}
+    )
+    turn = linked(form(prev), form(cur), form([tool, other]))
+    assert turn.phases is not None
+    assert turn.phases.gap_source == names.GAP_SOURCE_AGENT_SPANS
+    assert turn.phases.tool_wait_s == pytest.approx(4.0)
+    assert turn.phases.app_work_s == pytest.approx(6.0)
+    assert turn.phases.total_s == pytest.approx(11.0)
+    # Without tool spans the sidecar's message-based split stands.
+    plain = linked(form(prev), form(cur))
+    assert plain.phases is not None and plain.phases.gap_source == names.GAP_SOURCE_MESSAGES
+    assert plain.phases.tool_wait_s == pytest.approx(10.0)
+
+
+@FORMS
+def test_non_streaming_first_token_bounded_by_prefill_span(form: Any) -> None:
+    cur = turn_trace(index=0, stream=False, request_s=2.0, prefill_span=(0.1, 0.7))
+    turn = build_turn(form(cur))
+    assert turn is not None and turn.phases is not None
+    assert turn.phases.ttft_source == names.TTFT_SOURCE_ENGINE
+    assert turn.phases.input_processing_s == pytest.approx(0.7)
+    assert turn.phases.generation_s == pytest.approx(1.3)
+    assert turn.ttft_s == pytest.approx(0.7)
+    no_engines = build_turn(form(turn_trace(index=0, stream=False, request_s=2.0, engines=False)))
+    assert no_engines is not None and no_engines.phases is not None
+    assert no_engines.phases.ttft_source == names.TTFT_SOURCE_RESPONSE
+    assert no_engines.phases.input_processing_s == pytest.approx(2.0)
+
+
+def test_fallbacks_agent_span_and_engine_only() -> None:
+    agent = turn_trace(index=0, turn_scope=names.SCOPE_FLEET)
+    turn = build_turn(agent)
+    assert turn is not None and turn.source == SOURCE_AGENT and turn.index == 0
+    engine_only = [s for s in turn_trace(index=2) if s.name.startswith("kv_") or s.name.startswith("router")]
+    turn = build_turn(engine_only)
+    assert turn is not None and turn.source == SOURCE_ENGINE and turn.index is None
+    assert turn.prefill is not None and turn.decode is not None
+    assert build_turn([]) is None
+    assert build_turn([SpanRecord("a" * 32, "1", "", "other", "Internal", 0, 1, {}, {})]) is None
+
+
+def test_build_turns_links_by_previous_trace_id() -> None:
+    prev, cur = pair(retention={names.RETENTION_OUTCOME: names.RETENTION_EXPIRED})
+    turns = build_turns(prev + cur)
+    assert [t.index for t in turns] == [0, 1]
+    assert turns[1].previous is not None and turns[1].previous.trace_id == turns[0].trace_id
+
+
+# ------------------------------------------------------------------ diagnoses
+
+
+@FORMS
+def test_ttl_lapsed(form: Any) -> None:
+    prev, cur = pair(
+        gap_s=20.0,
+        prev_kw={
+            "retention": {
+                names.RETENTION_OUTCOME: names.RETENTION_EXPIRED,
+                names.RETENTION_HELD_SECONDS: 12.0,
+            }
+        },
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+        router={names.ROUTER_HANDLE: names.ROUTER_HANDLE_STALE},
+    )
+    turn = linked(form(prev), form(cur))
+    found = {d.id: d for d in diagnose(turn, Context(per_token_s=0.001))}
+    d = found[names.DIAG_TTL_LAPSED]
+    assert d.evidence["gap_s"] == 20.0 and d.evidence["decoder_kv_blocks_ttl_s"] == 12.0
+    assert d.evidence["over_by_s"] == 8.0 and d.evidence["previous_retention_outcome"] == "expired"
+    assert "20.0s gap" in d.summary and "12s" in d.summary
+    assert "decoder_kv_blocks_ttl" in d.fix and "25s" in d.fix
+    assert d.cost_s == pytest.approx(0.3)
+    assert names.DIAG_ROUTER_HANDLE_EXPIRED not in found  # the KV really was gone
+    # Declined-expired read alone also says so.
+    _, cur2 = pair(prefill={names.PULL_REASON: names.REASON_DECLINED_EXPIRED})
+    assert names.DIAG_TTL_LAPSED in ids(build_turn(form(cur2)) or Turn("x", "x"))
+
+
+@FORMS
+def test_ttl_not_lapsed_when_consumed(form: Any) -> None:
+    prev, cur = pair(prev_kw={"retention": {names.RETENTION_OUTCOME: names.RETENTION_CONSUMED}})
+    assert names.DIAG_TTL_LAPSED not in ids(linked(form(prev), form(cur)))
+    first = build_turn(form(turn_trace(index=0, prefill={names.PULL_REASON: names.REASON_DECLINED_EXPIRED})))
+    assert first is not None and names.DIAG_TTL_LAPSED not in ids(first)
+
+
+@FORMS
+def test_router_dropped_handle(form: Any) -> None:
+    prev, cur = pair(
+        gap_s=5.0,
+        prev_kw={"retention": {names.RETENTION_OUTCOME: names.RETENTION_CONSUMED}},
+        router={names.ROUTER_HANDLE: names.ROUTER_HANDLE_STALE, names.ROUTER_HANDLE_AGE_SECONDS: 5.0},
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+    )
+    found = {d.id: d for d in diagnose(linked(form(prev), form(cur)))}
+    assert found[names.DIAG_ROUTER_HANDLE_EXPIRED].evidence["handle_age_s"] == 5.0
+    assert names.DIAG_TTL_LAPSED not in found
+    _, hit = pair()
+    assert names.DIAG_ROUTER_HANDLE_EXPIRED not in ids(build_turn(form(hit)) or Turn("x", "x"))
+
+
+@FORMS
+def test_below_threshold(form: Any) -> None:
+    _, cur = pair(
+        prefill={
+            names.PULL_REASON: names.REASON_BELOW_THRESHOLD,
+            names.TOKENS_REMOTE_REUSABLE: 40,
+            names.TOKENS_COMPUTED: 40,
+            names.TOKENS_LOCAL_CACHE_HIT: 260,
+        }
+    )
+    turn = build_turn(form(cur))
+    assert turn is not None
+    d = next(d for d in diagnose(turn) if d.id == names.DIAG_BELOW_THRESHOLD)
+    assert d.evidence["remote_reusable_tokens"] == 40 and d.evidence["kv_recompute_threshold"] == 64
+    assert "40" in d.summary and "64" in d.summary
+    _, pulled = pair()
+    assert names.DIAG_BELOW_THRESHOLD not in ids(build_turn(form(pulled)) or Turn("x", "x"))
+
+
+@FORMS
+def test_no_conversation_id(form: Any) -> None:
+    _, cur = pair(turn={names.CONVERSATION_INFERRED: True, names.CONVERSATION_ID_SOURCE: "fingerprint"})
+    turn = build_turn(form(cur))
+    assert turn is not None and turn.conversation_inferred is True
+    d = next(d for d in diagnose(turn) if d.id == names.DIAG_NO_CONVERSATION_ID)
+    assert "X-Conversation-Id" in d.fix and d.evidence["conversation_id_source"] == "fingerprint"
+    _, routed = pair(router={names.ROUTER_HANDLE: names.ROUTER_HANDLE_NO_CONVERSATION})
+    assert names.DIAG_NO_CONVERSATION_ID in ids(build_turn(form(routed)) or Turn("x", "x"))
+    _, ok = pair()
+    assert names.DIAG_NO_CONVERSATION_ID not in ids(build_turn(form(ok)) or Turn("x", "x"))
+
+
+@FORMS
+def test_decode_returned_no_handle(form: Any) -> None:
+    prev, cur = pair(
+        prev_kw={"decode": {names.KV_PARAMS_RETURNED: False}, "router": {names.ROUTER_DECODE_STREAMED: True}},
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+        router={names.ROUTER_HANDLE: names.ROUTER_HANDLE_MISS},
+    )
+    found = {d.id: d for d in diagnose(linked(form(prev), form(cur)))}
+    d = found[names.DIAG_DECODE_NO_HANDLE]
+    assert d.evidence["previous_kv_params_returned"] is False and d.evidence["decode_streamed"] is True
+    # Previous decode did return a handle: something else lost it.
+    prev2, cur2 = pair(prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE})
+    assert names.DIAG_DECODE_NO_HANDLE not in ids(linked(form(prev2), form(cur2)))
+
+
+@FORMS
+def test_bidirectional_off(form: Any) -> None:
+    _, cur = pair(
+        prefill={names.PULL_REASON: names.REASON_BIDIRECTIONAL_OFF},
+        prefill_resource={names.BIDIRECTIONAL_KV_XFER: False},
+    )
+    d = next(
+        d for d in diagnose(build_turn(form(cur)) or Turn("x", "x")) if d.id == names.DIAG_BIDIRECTIONAL_OFF
+    )
+    assert d.evidence["prefill_bidirectional_kv_xfer"] is False and "prefill" in d.summary
+    _, dec_off = pair(
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+        decode_resource={names.BIDIRECTIONAL_KV_XFER: False},
+    )
+    assert names.DIAG_BIDIRECTIONAL_OFF in ids(build_turn(form(dec_off)) or Turn("x", "x"))
+    _, on = pair()
+    assert names.DIAG_BIDIRECTIONAL_OFF not in ids(build_turn(form(on)) or Turn("x", "x"))
+
+
+@FORMS
+def test_pull_slower_than_recompute(form: Any) -> None:
+    pulled = {
+        names.PULL_DECISION: names.DECISION_PULL,
+        names.PULL_REASON: names.REASON_PULLED,
+        names.TOKENS_PULLED: 256,
+        names.TOKENS_COMPUTED: 44,
+    }
+    _, cur = pair(prefill=pulled, prefill_transfer={names.TRANSFER_WAIT_SECONDS: 0.5})
+    turn = build_turn(form(cur))
+    assert turn is not None
+    d = next(
+        d for d in diagnose(turn, Context(per_token_s=0.001)) if d.id == names.DIAG_PULL_SLOWER_THAN_RECOMPUTE
+    )
+    assert d.evidence["pull_s"] == 0.5 and d.evidence["recompute_estimate_s"] == pytest.approx(0.256)
+    assert d.cost_s == pytest.approx(0.244)
+    assert names.DIAG_PULL_SLOWER_THAN_RECOMPUTE not in ids(turn, Context(per_token_s=0.01))
+    assert names.DIAG_PULL_SLOWER_THAN_RECOMPUTE not in ids(turn, Context())
+
+
+@FORMS
+def test_expired_read_failed(form: Any) -> None:
+    _, cur = pair(
+        gap_s=15.0,
+        prefill={
+            names.REQUEST_OUTCOME: names.OUTCOME_FAILED_KV_LOAD,
+            names.PULL_REASON: names.REASON_DECLINED_EXPIRED,
+            names.PULL_DECISION: names.DECISION_PULL,
+        },
+        prefill_transfer={names.TRANSFER_OUTCOME: names.TRANSFER_DECLINED_EXPIRED},
+        status="Error",
+        turn={names.HTTP_STATUS: 500},
+    )
+    turn = build_turn(form(cur))
+    assert turn is not None and turn.status == "error"
+    found = diagnose(turn)
+    assert found[0].id == names.DIAG_EXPIRED_READ_FAILED
+    assert "kv_load_failure_policy=recompute" in found[0].fix
+    assert found[0].evidence["kv_load_failure_policy"] == "fail"
+    assert names.DIAG_TTL_LAPSED in [d.id for d in found]
+    assert names.DIAG_TRANSFER_FAILED not in [d.id for d in found]
+
+
+@FORMS
+def test_transfer_failed(form: Any) -> None:
+    _, cur = pair(
+        prefill={
+            names.REQUEST_OUTCOME: names.OUTCOME_FAILED_KV_LOAD,
+            names.PULL_REASON: names.REASON_TRANSFER_FAILED,
+        },
+        prefill_transfer={names.TRANSFER_OUTCOME: names.TRANSFER_FAILED},
+    )
+    found = ids(build_turn(form(cur)) or Turn("x", "x"))
+    assert names.DIAG_TRANSFER_FAILED in found and names.DIAG_EXPIRED_READ_FAILED not in found
+    _, ok = pair(prefill_transfer={})
+    assert names.DIAG_TRANSFER_FAILED not in ids(build_turn(form(ok)) or Turn("x", "x"))
+
+
+@FORMS
+def test_stuck_waiting_for_remote_kv(form: Any) -> None:
+    _, cur = pair(
+        request_s=40.0,
+        ttft_s=39.0,
+        decode={
+            names.REQUEST_OUTCOME: names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV,
+            names.REMOTE_KV_WAIT_SECONDS: 30.0,
+        },
+        decode_transfer={names.TRANSFER_OUTCOME: names.TRANSFER_STUCK},
+    )
+    turn = build_turn(form(cur))
+    assert turn is not None
+    d = diagnose(turn)[0]
+    assert d.id == names.DIAG_STUCK_WAITING_FOR_REMOTE_KV and d.evidence["remote_kv_wait_s"] == 30.0
+    _, ok = pair()
+    assert names.DIAG_STUCK_WAITING_FOR_REMOTE_KV not in ids(build_turn(form(ok)) or Turn("x", "x"))
+
+
+@FORMS
+def test_queueing(form: Any) -> None:
+    # 3 s to first token, engines account for 0.25 s prefill + 0.02 s hand-off.
+    _, cur = pair(request_s=4.0, ttft_s=3.0)
+    d = next(d for d in diagnose(build_turn(form(cur)) or Turn("x", "x")) if d.id == names.DIAG_QUEUEING)
+    assert d.evidence["unexplained_s"] == pytest.approx(2.73, abs=0.01)
+    _, fast = pair(ttft_s=0.35)
+    assert names.DIAG_QUEUEING not in ids(build_turn(form(fast)) or Turn("x", "x"))
+
+
+@FORMS
+def test_tool_wait_and_app_work_dominate(form: Any) -> None:
+    _, tool = pair(gap_s=30.0)
+    found = diagnose(build_turn(form(tool)) or Turn("x", "x"))
+    assert found[0].id == names.DIAG_TOOL_WAIT_DOMINATES and found[0].cost_s == pytest.approx(30.0)
+    _, app = pair(gap_s=30.0, tool_wait_s=0.0)
+    top = diagnose(build_turn(form(app)) or Turn("x", "x"))[0]
+    assert top.id == names.DIAG_APP_WORK_DOMINATES and "30.0s" in top.summary
+    _, short = pair(gap_s=0.5)
+    assert not {names.DIAG_TOOL_WAIT_DOMINATES, names.DIAG_APP_WORK_DOMINATES} & set(
+        ids(build_turn(form(short)) or Turn("x", "x"))
+    )
+
+
+def test_ranking_by_cost_and_json() -> None:
+    prev, cur = pair(
+        gap_s=30.0,
+        prev_kw={"retention": {names.RETENTION_OUTCOME: names.RETENTION_EXPIRED}},
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+    )
+    found = diagnose(linked(prev, cur), Context(per_token_s=0.001))
+    assert [d.id for d in found] == [names.DIAG_TOOL_WAIT_DOMINATES, names.DIAG_TTL_LAPSED]
+    assert [d.cost_s for d in found] == sorted((d.cost_s for d in found), reverse=True)
+    assert found[0].id == names.DIAG_TOOL_WAIT_DOMINATES
+    as_dict = found[1].as_dict()
+    assert set(as_dict) == {"id", "title", "summary", "evidence", "fix", "cost_s"}

@@ -1,0 +1,224 @@
+"""The query service (slow / conversation / why) over an in-memory span source."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from otelkv import names
+from otelkv.analysis.report import InMemorySource, NotFound, StoreSource, conversation, parse_ref, slow, why
+from otelkv.sidecar.otlp import SpanRecord
+from tests.unit.test_diagnose import T0, S, stored, turn_trace
+
+FORMS = pytest.mark.parametrize("form", [lambda s: s, stored], ids=["native", "stored"])
+
+
+def lapse_conversation(conv: str = "conv-lapse") -> list[SpanRecord]:
+    """Turn 0 (KV kept 12 s, expired), turn 1 after a 20 s tool wait (recomputed), turn 2 pulled."""
+    t0 = turn_trace(
+        conv,
+        0,
+        start_s=100.0,
+        retention={names.RETENTION_OUTCOME: names.RETENTION_EXPIRED, names.RETENTION_HELD_SECONDS: 12.0},
+    )
+    t1 = turn_trace(
+        conv,
+        1,
+        start_s=121.0,
+        gap_s=20.0,
+        prev_trace=t0[0].trace_id,
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+        router={names.ROUTER_HANDLE: names.ROUTER_HANDLE_STALE},
+        retention={names.RETENTION_OUTCOME: names.RETENTION_CONSUMED, names.RETENTION_HELD_SECONDS: 1.0},
+    )
+    t2 = turn_trace(
+        conv,
+        2,
+        start_s=123.0,
+        gap_s=1.0,
+        prev_trace=t1[0].trace_id,
+        prefill={
+            names.PULL_DECISION: names.DECISION_PULL,
+            names.TOKENS_PULLED: 256,
+            names.TOKENS_COMPUTED: 44,
+            names.TOKENS_REMOTE_REUSABLE: 256,
+        },
+        prefill_transfer={},
+    )
+    return t0 + t1 + t2
+
+
+def quick_conversation() -> list[SpanRecord]:
+    t0 = turn_trace("conv-quick", 0, start_s=200.0, request_s=0.5)
+    t1 = turn_trace("conv-quick", 1, start_s=200.7, gap_s=0.2, request_s=0.5, prev_trace=t0[0].trace_id)
+    return t0 + t1
+
+
+class CountingSource(InMemorySource):
+    def __init__(self, spans: list[SpanRecord]) -> None:
+        super().__init__(spans)
+        self.calls: list[str] = []
+
+    def turn_spans(self, **kw: Any) -> list[SpanRecord]:
+        self.calls.append("turn_spans")
+        return super().turn_spans(**kw)
+
+    def trace_spans(self, trace_ids: Any) -> list[SpanRecord]:
+        self.calls.append("trace_spans")
+        return super().trace_spans(trace_ids)
+
+    def tool_spans(self, **kw: Any) -> list[SpanRecord]:
+        self.calls.append("tool_spans")
+        return super().tool_spans(**kw)
+
+
+@FORMS
+def test_slow_lists_slowest_with_top_diagnosis(form: Any) -> None:
+    source = CountingSource(form(lapse_conversation() + quick_conversation()))
+    data = slow(source, limit=3)
+    json.dumps(data)  # JSON-able
+    rows = data["turns"]
+    assert len(rows) == 3
+    assert rows[0]["conversation_id"] == "conv-lapse" and rows[0]["turn_index"] == 1
+    assert rows[0]["total_s"] == pytest.approx(21.0)
+    assert rows[0]["phases"]["tool_wait"] == pytest.approx(20.0)
+    assert rows[0]["top_diagnosis"]["id"] == names.DIAG_TOOL_WAIT_DOMINATES
+    assert [r["total_s"] for r in rows] == sorted((r["total_s"] for r in rows), reverse=True)
+    assert set(rows[0]) >= {
+        "trace_id",
+        "conversation_id",
+        "turn_index",
+        "start_ns",
+        "total_s",
+        "phases",
+        "ttft_s",
+        "status",
+        "top_diagnosis",
+    }
+    assert source.calls == ["turn_spans", "trace_spans", "tool_spans"]
+
+
+def test_slow_window_and_empty() -> None:
+    source = InMemorySource(lapse_conversation() + quick_conversation())
+    data = slow(source, since_ns=T0 + 150 * S, limit=10)
+    assert {r["conversation_id"] for r in data["turns"]} == {"conv-quick"}
+    assert slow(source, since_ns=T0 + 10_000 * S)["turns"] == []
+
+
+@FORMS
+def test_conversation_waterfall(form: Any) -> None:
+    data = conversation(InMemorySource(form(lapse_conversation() + quick_conversation())), "conv-lapse")
+    json.dumps(data)
+    rows = data["turns"]
+    assert [r["turn_index"] for r in rows] == [0, 1, 2]
+    assert rows[0]["retention"] == {
+        "outcome": "expired",
+        "held_s": 12.0,
+        "ttl_s": 12.0,
+        "blocks": 10,
+        "bytes": 10 << 16,
+    }
+    assert names.DIAG_TTL_LAPSED in rows[1]["diagnoses"]
+    assert rows[1]["pull"]["reason"] == names.REASON_NO_DECODE_HANDLE
+    assert rows[2]["tokens"]["pulled"] == 256 and rows[2]["pull"]["bytes"] == 1 << 20
+    assert rows[2]["pull"]["decision"] == "pull" and rows[2]["pull"]["threshold"] == 64
+    assert rows[0]["offset_s"] == 0.0 and rows[1]["offset_s"] == pytest.approx(1.0)
+    assert data["turn_count"] == 3
+
+
+def test_conversation_not_found() -> None:
+    with pytest.raises(NotFound, match="no turns for conversation 'nope'"):
+        conversation(InMemorySource(lapse_conversation()), "nope")
+
+
+@FORMS
+def test_why_by_trace_id_and_by_index(form: Any) -> None:
+    spans = form(lapse_conversation())
+    source = InMemorySource(spans)
+    by_index = why(source, "conv-lapse#1")
+    json.dumps(by_index)
+    by_trace = why(source, by_index["trace_id"].upper())
+    assert by_index["diagnoses"] == by_trace["diagnoses"]
+    found = {d["id"]: d for d in by_index["diagnoses"]}
+    ttl = found[names.DIAG_TTL_LAPSED]
+    assert ttl["evidence"]["gap_s"] == 20.0 and ttl["evidence"]["previous_retention_outcome"] == "expired"
+    assert ttl["fix"] and ttl["summary"]
+    assert by_index["phases"]["tool_wait"] == pytest.approx(20.0)
+    assert by_index["turn"]["router"]["handle"] == names.ROUTER_HANDLE_STALE
+    assert by_index["turn_index"] == 1
+
+
+def test_why_recomputes_gap_split_with_tool_spans() -> None:
+    spans = lapse_conversation()
+    gap_start = T0 + 101 * S
+    tool = SpanRecord(
+        "e" * 32,
+        "00000000000000ff",
+        "",
+        "execute_tool deploy",
+        "Internal",
+        gap_start + 2 * S,
+        gap_start + 7 * S,
+        {names.GEN_AI_OPERATION_NAME: "execute_tool", names.GEN_AI_CONVERSATION_ID: "conv-lapse"},
+        {},
+    )
+    data = why(InMemorySource([*spans, tool]), "conv-lapse#1")
+    assert data["phases"]["tool_wait"] == pytest.approx(5.0)
+    assert data["phases"]["app_work"] == pytest.approx(15.0)
+    assert data["turn"]["gap_source"] == names.GAP_SOURCE_AGENT_SPANS
+    assert data["diagnoses"][0]["id"] == names.DIAG_APP_WORK_DOMINATES
+
+
+def test_why_not_found_and_bad_refs() -> None:
+    source = InMemorySource(lapse_conversation())
+    with pytest.raises(NotFound, match="no turn 9 in conversation 'conv-lapse'"):
+        why(source, "conv-lapse#9")
+    with pytest.raises(NotFound, match="no spans for trace"):
+        why(source, "0" * 32)
+    for bad in ("hello", "conv#x", "#3", "abc123"):
+        with pytest.raises(NotFound, match="neither a trace id"):
+            why(source, bad)
+
+
+def test_parse_ref() -> None:
+    assert parse_ref("AB" * 16) == ("trace", "ab" * 16, None)
+    assert parse_ref("team#a#12") == ("turn", "team#a", 12)
+    with pytest.raises(NotFound):
+        parse_ref("conv#-1")
+
+
+def test_engine_only_trace_answers_why() -> None:
+    engine_only = [s for s in turn_trace("conv-x", 3) if s.name.startswith(("kv_", "router"))]
+    data = why(InMemorySource(engine_only), engine_only[0].trace_id)
+    assert data["turn"]["source"] == "engine" and data["turn"]["prefill"] is not None
+
+
+def test_store_source_answers_like_memory(tmp_path: Any) -> None:
+    """The same spans give the same answers from a real chDB store (values read back as strings)."""
+    import dataclasses
+    import time
+
+    from otelkv.store.chdb_store import ChdbStore
+
+    # Recent timestamps: the store's TTL drops spans older than its retention on insert.
+    shift = time.time_ns() - T0 - 3600 * S
+    spans = [
+        dataclasses.replace(sp, start_ns=sp.start_ns + shift, end_ns=sp.end_ns + shift)
+        for sp in lapse_conversation() + quick_conversation()
+    ]
+    store = ChdbStore(tmp_path / "store")
+    try:
+        assert store.insert_spans(spans) == len(spans)
+        disk, memory = StoreSource(store), InMemorySource(spans)
+        for fn in (
+            lambda src: slow(src, limit=5),
+            lambda src: conversation(src, "conv-lapse"),
+            lambda src: why(src, "conv-lapse#1"),
+        ):
+            assert json.loads(json.dumps(fn(disk), default=str)) == json.loads(
+                json.dumps(fn(memory), default=str)
+            )
+    finally:
+        store.close()
