@@ -1,0 +1,100 @@
+"""The sidecar's query API: what ``otelkv slow / conversation / why`` print, as JSON.
+
+Only one process can open a chDB directory, and the sidecar holds it, so the CLI asks
+here. The answers are exactly the dicts of :mod:`otelkv.analysis.report`. Queries run in
+a worker thread: a slow query never stalls the receiver or the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+logger = logging.getLogger("otelkv.sidecar")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def token_guard(token: str | None) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """aiohttp middleware: with a token set, every route but health and metrics needs it."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token and request.path not in ("/api/v1/health", "/metrics"):
+            sent = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                return web.json_response(
+                    {"error": "missing or wrong bearer token (OTELKV_TOKEN)"}, status=401
+                )
+        return await handler(request)
+
+    return middleware
+
+
+class QueryApi:
+    def __init__(self, source: Any | None, describe: str) -> None:
+        self.source = source
+        """An ``otelkv.analysis.report.SpanSource`` over the store (None: no store)."""
+        self.describe = describe
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/api/v1/health", self.health),
+            web.get("/api/v1/slow", self.slow),
+            web.get("/api/v1/conversations/{conversation_id}", self.conversation),
+            web.get("/api/v1/why/{ref}", self.why),
+        ]
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "store": self.describe})
+
+    async def _run(self, fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> web.Response:
+        from otelkv.analysis.report import NotFound
+
+        if self.source is None:
+            return web.json_response({"error": "this sidecar runs without a store (--no-store)"}, status=503)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: fn(self.source, *args, **kwargs)
+            )
+        except NotFound as exc:
+            return web.json_response({"error": str(exc)}, status=404)
+        except Exception as exc:
+            logger.exception("otelkv sidecar: query failed")
+            return web.json_response({"error": f"query failed: {type(exc).__name__}: {exc}"}, status=500)
+        return web.json_response(result)
+
+    async def slow(self, request: web.Request) -> web.Response:
+        from otelkv.analysis import report
+
+        try:
+            since = _opt_int(request.query.get("since_ns"))
+            until = _opt_int(request.query.get("until_ns"))
+            limit = min(max(_opt_int(request.query.get("limit")) or 10, 1), 1000)
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return await self._run(report.slow, since_ns=since, until_ns=until, limit=limit)
+
+    async def conversation(self, request: web.Request) -> web.Response:
+        from otelkv.analysis import report
+
+        return await self._run(report.conversation, request.match_info["conversation_id"])
+
+    async def why(self, request: web.Request) -> web.Response:
+        from otelkv.analysis import report
+
+        return await self._run(report.why, request.match_info["ref"])
+
+
+def _opt_int(value: str | None) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"not an integer: {value[:40]!r}") from None

@@ -1,0 +1,187 @@
+"""What a completion response says about the turn, read beside the bytes being forwarded.
+
+The proxy hands every chunk to the client first and to a :class:`ResponseObserver`
+second; the observer only reads. It learns the first-token time (streaming), usage
+(including cached prompt tokens when reported), finish reasons, whether the model asked
+for tools (and their call ids), and whether the response carried ``kv_transfer_params``.
+It never keeps completion text. Anything it cannot parse is ignored: observation must
+not change or stop the response.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_BUFFERED_BYTES = 8 * 1024 * 1024
+"""A non-streaming body (or one SSE line) larger than this is forwarded but not parsed."""
+
+
+@dataclass
+class ResponseFacts:
+    model: str = ""
+    response_id: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    tool_call_ids: list[str] = field(default_factory=list)
+    asked_tools: bool = False
+    kv_transfer_params: bool = False
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+    parsed: bool = False
+
+
+class ResponseObserver:
+    """Feed it the response bytes as they pass; read :attr:`facts` at the end."""
+
+    def __init__(self, *, streaming: bool) -> None:
+        self.streaming = streaming
+        self.facts = ResponseFacts()
+        self._buffer = bytearray()
+        self._overflow = False
+
+    def feed(self, chunk: bytes, now_ns: int) -> None:
+        if not chunk or self._overflow:
+            return
+        if not self.streaming:
+            self._buffer += chunk
+            if len(self._buffer) > MAX_BUFFERED_BYTES:
+                self._overflow = True
+                self._buffer = bytearray()
+            return
+        self._buffer += chunk
+        while True:
+            newline = self._buffer.find(b"\n")
+            if newline < 0:
+                break
+            line = bytes(self._buffer[:newline]).strip()
+            del self._buffer[: newline + 1]
+            if line.startswith(b"data:"):
+                self._sse_data(line[5:].strip(), now_ns)
+        if len(self._buffer) > MAX_BUFFERED_BYTES:
+            self._overflow = True
+            self._buffer = bytearray()
+
+    def finish(self, now_ns: int) -> ResponseFacts:
+        if not self.streaming and not self._overflow and self._buffer:
+            try:
+                data = json.loads(self._buffer)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                data = None
+            if isinstance(data, dict):
+                self._absorb(data, chunk=False)
+                self.facts.parsed = True
+                self.facts.first_token_ns = self.facts.last_token_ns = now_ns
+        elif self.streaming and self._buffer.strip().startswith(b"data:"):
+            self._sse_data(bytes(self._buffer).strip()[5:].strip(), now_ns)
+        self._buffer = bytearray()
+        return self.facts
+
+    def _sse_data(self, payload: bytes, now_ns: int) -> None:
+        if not payload or payload == b"[DONE]":
+            return
+        try:
+            data = json.loads(payload)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return
+        if not isinstance(data, dict):
+            return
+        self.facts.parsed = True
+        if self._absorb(data, chunk=True):
+            if self.facts.first_token_ns is None:
+                self.facts.first_token_ns = now_ns
+            self.facts.last_token_ns = now_ns
+
+    def _absorb(self, data: dict[str, Any], *, chunk: bool) -> bool:
+        """Take what one response object (or stream chunk) says; True if it carried tokens."""
+        facts = self.facts
+        if isinstance(data.get("model"), str) and not facts.model:
+            facts.model = data["model"]
+        if isinstance(data.get("id"), str) and not facts.response_id:
+            facts.response_id = data["id"]
+        if data.get("kv_transfer_params"):
+            facts.kv_transfer_params = True
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            facts.prompt_tokens = _int(usage.get("prompt_tokens"), facts.prompt_tokens)
+            facts.completion_tokens = _int(usage.get("completion_tokens"), facts.completion_tokens)
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                facts.cached_tokens = _int(details.get("cached_tokens"), facts.cached_tokens)
+        produced = False
+        choices = data.get("choices")
+        if not isinstance(choices, list):
+            return False
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str) and reason:
+                facts.finish_reasons.append(reason)
+                if reason == "tool_calls":
+                    facts.asked_tools = True
+            if choice.get("kv_transfer_params"):
+                facts.kv_transfer_params = True
+            message = choice.get("delta" if chunk else "message")
+            if isinstance(message, dict):
+                content = message.get("content") or message.get("reasoning_content")
+                if isinstance(content, str) and content:
+                    produced = True
+                calls = message.get("tool_calls")
+                if isinstance(calls, list) and calls:
+                    produced = True
+                    facts.asked_tools = True
+                    for call in calls:
+                        if isinstance(call, dict) and isinstance(call.get("id"), str):
+                            facts.tool_call_ids.append(call["id"])
+            text = choice.get("text")
+            if isinstance(text, str) and text:
+                produced = True
+        return produced
+
+
+def _int(value: Any, default: int | None) -> int | None:
+    if isinstance(value, bool):
+        return default
+    if isinstance(value, int):
+        return value
+    return default
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What the request body says (no text kept): message count, tool results, model."""
+
+    model: str
+    stream: bool
+    messages: int
+    tool_results: int
+    tool_result_call_ids: tuple[str, ...]
+
+
+def request_facts(body: dict[str, Any] | None) -> RequestFacts:
+    if body is None:
+        return RequestFacts("", False, 0, 0, ())
+    messages = body.get("messages")
+    count = len(messages) if isinstance(messages, list) else 0
+    tool_results = 0
+    call_ids: list[str] = []
+    if isinstance(messages, list):
+        # Tool results that answer the last assistant message: the trailing run of role=tool.
+        for message in reversed(messages):
+            if not isinstance(message, dict) or message.get("role") != "tool":
+                break
+            tool_results += 1
+            if isinstance(message.get("tool_call_id"), str):
+                call_ids.append(message["tool_call_id"])
+    model = body.get("model")
+    return RequestFacts(
+        model if isinstance(model, str) else "",
+        bool(body.get("stream")),
+        count,
+        tool_results,
+        tuple(call_ids),
+    )
