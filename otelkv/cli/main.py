@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--plain", action="store_true", help="vLLM's NixlConnector without otelkv")
     fleet.add_argument("--workdir", help="where logs go (default: a new temp dir)")
     fleet.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+
+    from otelkv.cli.sidecar_cmd import add_sidecar_command
+
+    add_sidecar_command(sub)
+    try:
+        from otelkv.cli.query_cmds import add_query_commands
+    except ImportError:  # pragma: no cover - only while the query commands are being built
+        pass
+    else:
+        add_query_commands(sub)
     return parser
 
 
@@ -60,6 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from otelkv.cli.fleet_cmd import run_fleet
 
         return run_fleet(args)
+    if args.command == "sidecar":
+        from otelkv.cli.sidecar_cmd import run_sidecar
+
+        return run_sidecar(args)
+    handler = getattr(args, "handler", None)
+    if handler is not None:
+        return int(handler(args))
     return 2
 
 

@@ -39,3 +39,52 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def seconds(value: float | None) -> str:
+    """A duration the way people read it: ``0.42s``, ``12.3s``, ``4m05s``, ``2h03m``."""
+    if value is None:
+        return "-"
+    if value < 10:
+        return f"{value:.2f}s"
+    if value < 60:
+        return f"{value:.1f}s"
+    if value < 3600:
+        m, s = divmod(round(value), 60)
+        return f"{m}m{s:02d}s"
+    h, rest = divmod(round(value), 3600)
+    return f"{h}h{rest // 60:02d}m"
+
+
+BAR_WIDTH = 40
+BAR_SEGMENTS: tuple[tuple[str, str, str], ...] = (
+    ("tool_wait", "~", "tool wait"),
+    ("app_work", ".", "app work"),
+    ("input_processing", "#", "input processing"),
+    ("generation", "=", "generation"),
+)
+"""(phase, character, label) in the order a turn lives them: the gap, then the request."""
+
+
+def phase_bar(phases: dict[str, float] | None, scale_s: float, width: int = BAR_WIDTH) -> str:
+    """A fixed-width bar, one segment per phase, scaled so ``scale_s`` fills the width.
+
+    Any phase that took time gets at least one character, so a short prefill next to a
+    long tool wait stays visible; rounding is taken from the longest segment.
+    """
+    if not phases or scale_s <= 0:
+        return " " * width
+    total = sum(max(phases.get(p, 0.0) or 0.0, 0.0) for p, _, _ in BAR_SEGMENTS)
+    used = max(1, min(width, round(width * total / scale_s))) if total > 0 else 0
+    cells: list[int] = []
+    for phase, _, _ in BAR_SEGMENTS:
+        value = max(phases.get(phase, 0.0) or 0.0, 0.0)
+        cells.append(0 if value <= 0 or total <= 0 else max(1, round(used * value / total)))
+    while sum(cells) > max(used, sum(1 for c in cells if c)):
+        cells[cells.index(max(cells))] -= 1
+    bar = "".join(char * n for (_, char, _), n in zip(BAR_SEGMENTS, cells, strict=True))
+    return bar.ljust(width)[:width]
+
+
+def bar_legend() -> str:
+    return "  ".join(f"{char} {label}" for _, char, label in BAR_SEGMENTS)

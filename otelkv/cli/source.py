@@ -1,0 +1,234 @@
+"""Where the query commands get their answers: a running sidecar, a store directory, or ClickHouse.
+
+Only one process can open a chDB directory and the sidecar owns it while it runs, so the
+CLI asks the sidecar's HTTP API first (same JSON as the local functions return) and opens
+the store itself only when no sidecar answers. Every failure becomes a :class:`QueryError`
+with a one-line message; the commands print it and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Protocol
+
+from otelkv import names
+
+DEFAULT_SIDECAR_URL = "http://127.0.0.1:8801"
+ENV_SIDECAR = "OTELKV_SIDECAR"
+ENV_STORE = "OTELKV_STORE"
+HEALTH_TIMEOUT_S = 0.5
+QUERY_TIMEOUT_S = 60.0
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d|w)?\s*$", re.IGNORECASE)
+_UNIT_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class QueryError(Exception):
+    """A failure the user can act on; ``str()`` is the one-line message."""
+
+
+class Querier(Protocol):
+    """The three queries, wherever they run."""
+
+    def slow(self, *, since_ns: int | None, until_ns: int | None, limit: int) -> dict[str, Any]: ...
+
+    def conversation(self, conversation_id: str) -> dict[str, Any]: ...
+
+    def why(self, ref: str) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90``, ``90s``, ``15m``, ``2h``, ``1d``, ``1w`` (a bare number is seconds)."""
+    match = _DURATION.match(text or "")
+    if not match:
+        raise QueryError(f"bad duration {text!r}: use a number with a unit, e.g. 90s, 15m, 2h, 1d")
+    return float(match.group(1)) * _UNIT_S[(match.group(2) or "s").lower()]
+
+
+def window_ns(since: str | None, until: str | None, *, now_ns: int | None = None) -> tuple[int, int | None]:
+    """(since_ns, until_ns) for ``--since``/``--until`` given as durations before now."""
+    now = time.time_ns() if now_ns is None else now_ns
+    since_ns = now - int(parse_duration(since or "1h") * 1e9)
+    until_ns = now - int(parse_duration(until) * 1e9) if until else None
+    if until_ns is not None and until_ns <= since_ns:
+        raise QueryError(f"--until {until} is not after --since {since}: nothing in between")
+    return since_ns, until_ns
+
+
+# ------------------------------------------------------------------ sidecar over HTTP
+
+
+class SidecarClient:
+    """The sidecar's query API (``/api/v1/...``), stdlib only."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = QUERY_TIMEOUT_S) -> None:
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else os.environ.get(names.ENV_SIDECAR_TOKEN) or None
+        self.timeout_s = timeout_s
+
+    def _get(self, path: str, query: dict[str, Any] | None = None) -> dict[str, Any]:
+        url = self.url + path
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        request = urllib.request.Request(url, headers={"Accept": "application/json"})
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise QueryError(self._http_error(exc)) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise QueryError(
+                f"sidecar at {self.url} is unreachable ({reason}); is `otelkv sidecar` running?"
+            ) from None
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise QueryError(
+                f"sidecar at {self.url} answered {path} with something that is not JSON"
+            ) from None
+        if not isinstance(data, dict):
+            raise QueryError(f"sidecar at {self.url} answered {path} with unexpected JSON")
+        return data
+
+    def _http_error(self, exc: urllib.error.HTTPError) -> str:
+        detail = ""
+        try:
+            payload = json.loads(exc.read() or b"{}")
+            detail = (
+                str(payload.get("error") or payload.get("message") or "") if isinstance(payload, dict) else ""
+            )
+        except (ValueError, OSError):
+            detail = ""
+        if exc.code in (401, 403):
+            return (
+                f"sidecar at {self.url} refused the request ({exc.code}): "
+                f"set {names.ENV_SIDECAR_TOKEN} to its token"
+            )
+        if exc.code == 404:
+            return detail or f"not found ({exc.url})"
+        return f"sidecar at {self.url} failed ({exc.code}){': ' + detail if detail else ''}"
+
+    def slow(self, *, since_ns: int | None, until_ns: int | None, limit: int) -> dict[str, Any]:
+        return self._get("/api/v1/slow", {"since_ns": since_ns, "until_ns": until_ns, "limit": limit})
+
+    def conversation(self, conversation_id: str) -> dict[str, Any]:
+        return self._get("/api/v1/conversations/" + urllib.parse.quote(conversation_id, safe=""))
+
+    def why(self, ref: str) -> dict[str, Any]:
+        return self._get("/api/v1/why/" + urllib.parse.quote(ref, safe=""))
+
+    def close(self) -> None:
+        return None
+
+
+def sidecar_answers(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    """Whether a sidecar answers ``/api/v1/health`` at ``url`` within the timeout."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/api/v1/health", timeout=timeout_s) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------ local store
+
+
+class LocalQuerier:
+    """The analysis functions run in this process over a :class:`SpanSource`."""
+
+    def __init__(self, source: Any, *, closer: Any = None) -> None:
+        self.source = source
+        self._closer = closer
+
+    def _run(self, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from otelkv.analysis.report import NotFound
+
+        try:
+            return fn(self.source, *args, **kwargs)  # type: ignore[no-any-return]
+        except NotFound as exc:
+            raise QueryError(str(exc)) from None
+
+    def slow(self, *, since_ns: int | None, until_ns: int | None, limit: int) -> dict[str, Any]:
+        from otelkv.analysis import report
+
+        return self._run(report.slow, since_ns=since_ns, until_ns=until_ns, limit=limit)
+
+    def conversation(self, conversation_id: str) -> dict[str, Any]:
+        from otelkv.analysis import report
+
+        return self._run(report.conversation, conversation_id)
+
+    def why(self, ref: str) -> dict[str, Any]:
+        from otelkv.analysis import report
+
+        return self._run(report.why, ref)
+
+    def close(self) -> None:
+        if self._closer is not None:
+            try:
+                self._closer()
+            except Exception:  # noqa: BLE001 - closing a read-only store must not mask the answer
+                pass
+
+
+def default_store_dir() -> Path:
+    env = os.environ.get(ENV_STORE)
+    return Path(env).expanduser() if env else Path.home() / ".local" / "share" / "otelkv" / "store"
+
+
+def _is_lock_error(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "lock" in text or "already in use" in text or "busy" in text
+
+
+def open_local(*, path: str | None = None, clickhouse_url: str | None = None) -> LocalQuerier:
+    """Open the store directory (or a ClickHouse URL) in this process."""
+    from otelkv.analysis.report import StoreSource
+
+    where = clickhouse_url or str(path)
+    if path is not None and clickhouse_url is None and not Path(path).expanduser().exists():
+        raise QueryError(
+            f"no store at {path} (and no sidecar answered); start `otelkv sidecar` or pass --store DIR"
+        )
+    try:
+        from otelkv.store import open_store
+
+        store = open_store(clickhouse_url=clickhouse_url) if clickhouse_url else open_store(path=path)
+    except ImportError as exc:
+        raise QueryError(f"cannot open the store here ({exc}); install otelkv with its store extra") from None
+    except Exception as exc:  # noqa: BLE001 - any open failure is reported as one line
+        if _is_lock_error(exc):
+            raise QueryError(
+                f"store {where} is locked by a running sidecar; ask it instead: --sidecar URL "
+                f"(or set {ENV_SIDECAR})"
+            ) from None
+        raise QueryError(f"cannot open the store {where}: {exc}") from None
+    return LocalQuerier(StoreSource(store), closer=getattr(store, "close", None))
+
+
+def resolve(
+    *, sidecar: str | None = None, store: str | None = None, clickhouse: str | None = None
+) -> Querier:
+    """The querier for the given options; with none, a sidecar that answers, else the default store."""
+    if sidecar:
+        return SidecarClient(sidecar)
+    if store:
+        return open_local(path=store)
+    if clickhouse:
+        return open_local(clickhouse_url=clickhouse)
+    url = os.environ.get(ENV_SIDECAR) or DEFAULT_SIDECAR_URL
+    if sidecar_answers(url):
+        return SidecarClient(url)
+    return open_local(path=str(default_store_dir()))
