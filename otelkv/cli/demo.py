@@ -3,7 +3,9 @@
 The workload has one conversation of each kind that decides whether reverse pull pays
 off: quick tool calls (pulls), a tool call longer than the decode TTL (the handle lapses
 and prefill recomputes), short answers (below ``kv_recompute_threshold``) and a client
-that sends no conversation id (nothing can be reused).
+that sends no conversation id (the sidecar fingerprints it, so its turns still pair up).
+Everything goes through otelkv's sidecar into its chDB store; the demo then prints what
+``otelkv slow`` and ``otelkv conversation`` say.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from otelkv import names
-from otelkv.analysis.turns import TurnSummary, summarize_turns
-from otelkv.cli.render import human_bytes, table
+from otelkv.cli.render import human_bytes
 
 
 def demo_conversations(long_pause_s: float) -> list[Any]:
@@ -60,70 +61,33 @@ def demo_conversations(long_pause_s: float) -> list[Any]:
     ]
 
 
-def _note(turn: TurnSummary, ttl_s: float) -> str:
-    p = turn.prefill
-    if p is None:
-        return "no prefill span"
-    if p.outcome and p.outcome != names.OUTCOME_FINISHED:
-        return f"prefill {p.outcome}: {p.status_message}"[:90]
-    reason = p.reason
-    if reason == names.REASON_PULLED:
-        return f"reused {p.pulled} tokens from decode instead of recomputing"
-    if reason == names.REASON_BELOW_THRESHOLD:
-        return f"only {p.remote_reusable} reusable tokens < threshold: recomputed"
-    if reason == names.REASON_NOTHING_BEYOND_LOCAL_HIT:
-        return "prefill's own cache already held everything decode had"
-    if reason == names.REASON_NO_DECODE_HANDLE:
-        if turn.router_handle == names.ROUTER_HANDLE_STALE:
-            return f"handle older than the router TTL (decode TTL {ttl_s:g}s): dropped"
-        if turn.router_handle == names.ROUTER_HANDLE_NO_CONVERSATION:
-            return "no conversation id: the router cannot pair turns"
-        if turn.turn_index == 0:
-            return "first turn: nothing to reuse yet"
-        return "router had no decode handle for this conversation"
-    return reason or ""
-
-
-def _rows(turns: list[TurnSummary], ttl_s: float) -> list[list[Any]]:
-    rows = []
-    for t in turns:
-        p, d = t.prefill, t.decode
-        rows.append(
-            [
-                t.conversation_id or "(none)",
-                t.turn_index,
-                f"{t.latency_s:.2f}s" if t.latency_s is not None else "-",
-                t.router_handle,
-                f"{p.decision}/{p.reason}" if p and p.decision else "-",
-                p.local_hit if p else None,
-                p.pulled if p else None,
-                p.computed if p else None,
-                human_bytes(p.transfer_bytes) if p and p.transfer_bytes else "-",
-                f"{p.transfer_wait_s * 1000:.0f}" if p and p.transfer_wait_s is not None else "-",
-                d.retention_outcome if d else "-",
-                _note(t, ttl_s),
-            ]
-        )
-    return rows
-
-
 def run_demo(args: argparse.Namespace) -> int:
+    from otelkv.analysis import report
+    from otelkv.analysis.report import StoreSource
+    from otelkv.cli.query_cmds import show_conversation, show_slow
     from otelkv.fleet import metrics as prom
     from otelkv.fleet.fleet import WARMUP_CONVERSATION, Fleet, FleetConfig
 
     ttl = float(args.ttl)
-    config = FleetConfig(decoder_ttl_s=ttl, workdir=Path(args.workdir) if args.workdir else None)
+    workdir = Path(args.workdir) if args.workdir else None
+    config = FleetConfig(decoder_ttl_s=ttl, workdir=workdir, sidecar=True)
     out = sys.stderr if args.json else sys.stdout
     print(
         "otelkv demo: starting a real prefill + decode vLLM pair (CPU build, NixlConnector over UCX,\n"
         f"instrumented by otelkv; decoder_kv_blocks_ttl={ttl:g}s, kv_recompute_threshold="
-        f"{config.recompute_threshold}). This takes a minute or two on 2 cores...",
+        f"{config.recompute_threshold}), the reference router, and otelkv's sidecar in front of it.\n"
+        "This takes a minute or two on 2 cores...",
         file=out,
         flush=True,
     )
     started = time.monotonic()
     with Fleet(config) as fleet:
-        print(f"fleet ready in {time.monotonic() - started:.0f}s; router at {fleet.url}", file=out)
+        assert fleet.sidecar is not None and fleet.router is not None
+        print(
+            f"fleet ready in {time.monotonic() - started:.0f}s; agents talk to the sidecar at {fleet.url} "
+            f"(router behind it at {fleet.router.url})",
+            file=out,
+        )
         conversations = demo_conversations(float(args.long_pause))
         print(
             f"running {len(conversations)} agent conversations (one waits {args.long_pause:g}s in a tool "
@@ -141,6 +105,7 @@ def run_demo(args: argparse.Namespace) -> int:
         time.sleep(ttl + 2)
         fleet.flush_spans()
         time.sleep(1.5)
+        fleet.flush_store()
         assert fleet.sink is not None and fleet.prefill is not None and fleet.decode is not None
         spans = fleet.sink.spans()
         p_metrics, d_metrics = fleet.prefill.metrics_text(), fleet.decode.metrics_text()
@@ -148,33 +113,22 @@ def run_demo(args: argparse.Namespace) -> int:
         with spans_path.open("w") as fh:
             for span in spans:
                 fh.write(json.dumps(dataclasses.asdict(span), default=str) + "\n")
-        turns = [t for t in summarize_turns(spans) if t.conversation_id != WARMUP_CONVERSATION]
+        source = StoreSource(fleet.sidecar.store)
+        slow = report.slow(source, limit=8)
+        slow["turns"] = [t for t in slow["turns"] if t.get("conversation_id") != WARMUP_CONVERSATION]
+        waterfall = report.conversation(source, "research-agent")
+        why = report.why(source, "research-agent#1")
         if args.json:
-            json.dump([dataclasses.asdict(t) for t in turns], sys.stdout, indent=2, default=str)
+            json.dump(
+                {"slow": slow, "conversation": waterfall, "why": why}, sys.stdout, indent=2, default=str
+            )
             print()
             return 1 if failed else 0
 
-        print()
-        print(
-            table(
-                [
-                    "conversation",
-                    "turn",
-                    "latency",
-                    "router",
-                    "prefill decision",
-                    "local",
-                    "pulled",
-                    "computed",
-                    "D->P bytes",
-                    "pull ms",
-                    "kept on D",
-                    "why",
-                ],
-                _rows(turns, ttl),
-                right=(1, 5, 6, 7, 8, 9),
-            )
-        )
+        print("\n$ otelkv slow")
+        show_slow(slow, sys.stdout)
+        print("\n$ otelkv conversation research-agent")
+        show_conversation(waterfall, sys.stdout)
         print()
         decisions = prom.by_label(p_metrics, names.METRIC_PULL_DECISIONS + "_total", "reason")
         print("prefill decisions (otelkv_pull_decisions_total):", _kv(decisions))
@@ -191,14 +145,20 @@ def run_demo(args: argparse.Namespace) -> int:
                 f"\n{len(failed)} turn(s) failed: "
                 + "; ".join(f"{r.conversation_id}#{r.index}: {r.error}" for r in failed)
             )
+        store_dir = fleet.workdir / "store"
         print(
             "\nWhere the data is:\n"
-            f"  spans (one JSON object per line): {spans_path}\n"
+            f"  trace store (chDB, the OpenTelemetry Collector ClickHouse schema, table otel.otel_traces): "
+            f"{store_dir}\n"
+            f"  the same spans as JSON lines: {spans_path}\n"
             f"  engine logs: {fleet.prefill.log_path}, {fleet.decode.log_path}\n"
-            f"  engines' /metrics (otelkv_* next to vllm:nixl_*) were scraped from {fleet.prefill.url} "
-            f"and {fleet.decode.url}\n"
-            "On your own fleet, add kv_connector_module_path=otelkv.engine.nixl to the engines' "
-            "--kv-transfer-config and point --otlp-traces-endpoint at your collector (README)."
+            "Ask it yourself (the fleet has stopped, so open the store directly):\n"
+            f"  otelkv slow --since 1h --store {store_dir}\n"
+            f"  otelkv why research-agent#1 --store {store_dir}\n"
+            f"  otelkv conversation support-agent --store {store_dir} --json\n"
+            "On your own fleet: kv_connector_module_path=otelkv.engine.nixl in the engines' "
+            "--kv-transfer-config, `otelkv sidecar --upstream ROUTER` in front of the router, and the "
+            "engines' OTLP endpoint pointed at the sidecar (README)."
         )
         return 1 if failed else 0
 

@@ -18,7 +18,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,21 +85,28 @@ class AgentDriver:
         tracer: trace.Tracer | None = None,
         timeout_s: float = 120.0,
         extra_body: dict[str, Any] | None = None,
+        chat_spans: bool = True,
+        flush: Callable[[], Any] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.tracer = tracer
         self.timeout_s = timeout_s
         self.extra_body = extra_body or {}
+        self.chat_spans = chat_spans
+        """False: no ``chat`` span of its own (a sidecar's span is the turn); tool spans stay."""
+        self.flush = flush
+        """Called after each tool span ends, so the span is exported before the next request."""
 
     async def run(self, conversation: Conversation, session: aiohttp.ClientSession) -> list[TurnResult]:
         messages: list[dict[str, Any]] = [{"role": "system", "content": conversation.system}]
         results: list[TurnResult] = []
         for index, turn in enumerate(conversation.turns):
+            # Unique like a model's call ids: the sidecar matches tool spans by them.
+            call_id = f"call_{secrets.token_hex(8)}"
             if turn.pause_s > 0:
-                await self._pause(conversation, turn)
+                await self._pause(conversation, turn, call_id)
             if turn.tool and len(messages) > 1 and messages[-1]["role"] == "assistant":
-                call_id = f"call_{index}"
                 messages[-1]["tool_calls"] = [
                     {"id": call_id, "type": "function", "function": {"name": turn.tool, "arguments": "{}"}}
                 ]
@@ -113,7 +120,7 @@ class AgentDriver:
             messages.append({"role": "assistant", "content": result.text})
         return results
 
-    async def _pause(self, conversation: Conversation, turn: Turn) -> None:
+    async def _pause(self, conversation: Conversation, turn: Turn, call_id: str) -> None:
         if self.tracer is not None and turn.tool:
             span = self.tracer.start_span(
                 names.SPAN_TOOL.format(name=turn.tool),
@@ -121,11 +128,14 @@ class AgentDriver:
                 attributes={
                     names.GEN_AI_OPERATION_NAME: "execute_tool",
                     names.GEN_AI_TOOL_NAME: turn.tool,
+                    names.GEN_AI_TOOL_CALL_ID: call_id,
                     names.GEN_AI_CONVERSATION_ID: conversation.conversation_id,
                 },
             )
             await asyncio.sleep(turn.pause_s)
             span.end()
+            if self.flush is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.flush)
         else:
             await asyncio.sleep(turn.pause_s)
 
@@ -153,7 +163,7 @@ class AgentDriver:
             headers["X-Conversation-Id"] = conversation.conversation_id
 
         span = None
-        if self.tracer is not None:
+        if self.tracer is not None and self.chat_spans:
             span = self.tracer.start_span(
                 names.SPAN_AGENT_TURN.format(model=self.model),
                 kind=SpanKind.CLIENT,

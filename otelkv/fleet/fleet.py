@@ -23,7 +23,7 @@ from opentelemetry import trace
 
 from otelkv import __version__, names
 from otelkv.fleet.agent import AgentDriver
-from otelkv.fleet.engines import Engine, EngineSpec
+from otelkv.fleet.engines import Engine, EngineSpec, free_port
 from otelkv.fleet.model import build_tiny_llama
 from otelkv.fleet.router import PDRouter
 from otelkv.fleet.span_sink import SpanSink
@@ -63,6 +63,11 @@ class FleetConfig:
     engine_env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 420.0
     router_port: int = 0
+    sidecar: bool = False
+    """Put otelkv's sidecar in front of the router: the driver talks to it, engines and the
+    router export their spans to it, and it keeps them in its store (``sidecar_store``)."""
+    sidecar_store: Path | None = None
+    """The sidecar's chDB directory (default: ``store`` in the fleet's workdir)."""
     warmup: bool = True
     """Run one short conversation before handing the fleet over, so the NIXL handshakes
     (prefill->decode and decode->prefill) happen while the machine is quiet: vLLM gives a
@@ -86,6 +91,7 @@ class Fleet:
         self.prefill: Engine | None = None
         self.decode: Engine | None = None
         self.router: PDRouter | None = None
+        self.sidecar: Any = None
         self._provider: Any = None
         self.tracer: trace.Tracer | None = None
         self.warmup_turns: list[Any] = []
@@ -103,10 +109,19 @@ class Fleet:
     def _start(self) -> None:
         cfg = self.config
         model_dir = build_tiny_llama(cfg.model_dir)
+        router_port = cfg.router_port or free_port()
+        if cfg.sidecar:
+            self._start_sidecar(router_port)
         if cfg.collect_spans:
-            self.sink = SpanSink().start()
-            self._provider, self.tracer = _fleet_tracer(self.sink.endpoint)
-        endpoint = self.sink.endpoint if self.sink else None
+            self.sink = SpanSink()
+            if self.sidecar is not None:
+                # Spans reach the sidecar; the sink keeps an in-memory copy for tests.
+                self.sidecar.pipeline.taps.append(self.sink.add)
+            else:
+                self.sink.start()
+        endpoint = self.sidecar.otlp_endpoint if self.sidecar else (self.sink.endpoint if self.sink else None)
+        if endpoint:
+            self._provider, self.tracer = _fleet_tracer(endpoint)
         common = {
             "model_dir": model_dir,
             "instrumented": cfg.instrumented,
@@ -157,9 +172,21 @@ class Fleet:
             handle_ttl_s=cfg.effective_router_ttl(),
             stream_decode=cfg.stream_decode,
             tracer=self.tracer if cfg.trace_router else None,
-        ).start(cfg.router_port)
+        ).start(router_port)
         if cfg.warmup:
             self._warm_up()
+
+    def _start_sidecar(self, router_port: int) -> None:
+        from otelkv.sidecar.app import Sidecar, SidecarConfig
+
+        self.sidecar = Sidecar(
+            SidecarConfig(
+                upstream=f"http://127.0.0.1:{router_port}",
+                port=0,
+                admin_port=0,
+                store_path=self.config.sidecar_store or self.workdir / "store",
+            )
+        ).start()
 
     def _warm_up(self) -> None:
         from otelkv.fleet.agent import Conversation, Turn
@@ -179,6 +206,7 @@ class Fleet:
             self.prefill.stop if self.prefill else None,
             self.decode.stop if self.decode else None,
             self._provider.shutdown if self._provider else None,
+            self.sidecar.stop if self.sidecar else None,
             self.sink.close if self.sink else None,
         ):
             if closer is None:
@@ -188,6 +216,7 @@ class Fleet:
             except Exception:
                 logger.exception("fleet: error while stopping")
         self.router = None
+        self.sidecar = None
         self.prefill = self.decode = None
         self.sink = None
         self._provider = None
@@ -202,15 +231,35 @@ class Fleet:
 
     @property
     def url(self) -> str:
+        """Where agents send requests: the sidecar when there is one, else the router."""
+        if self.sidecar is not None:
+            return str(self.sidecar.url)
         assert self.router is not None, "fleet not started"
         return self.router.url
 
     def driver(self, *, traced: bool = True, **kwargs: Any) -> AgentDriver:
+        """An agent driver. ``traced``: it exports its own spans (turns and tool calls).
+
+        Behind the sidecar, the sidecar's span is the turn: the driver then only exports
+        its ``execute_tool`` spans (flushed before the next request, so the sidecar sees
+        them when it splits the gap) and sends a ``traceparent`` so tests know the trace.
+        """
+        if self.sidecar is not None:
+            kwargs.setdefault("chat_spans", False)
+            if traced:
+                kwargs.setdefault("flush", self.flush_spans)
         return AgentDriver(self.url, "tiny-llama", tracer=self.tracer if traced else None, **kwargs)
 
     def flush_spans(self) -> None:
         if self._provider is not None:
             self._provider.force_flush()
+
+    def flush_store(self, timeout: float = 15.0) -> None:
+        """Everything exported so far written to the sidecar's store (engines export every
+        ~0.2 s; call after the spans you need have reached the sink)."""
+        self.flush_spans()
+        if self.sidecar is not None:
+            self.sidecar.flush(timeout)
 
 
 def _fleet_tracer(endpoint: str) -> tuple[Any, trace.Tracer]:

@@ -94,7 +94,8 @@ class SpanSink:
         return self
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits forever on a server never started
+            self._server.shutdown()
         self._server.server_close()
 
     def __enter__(self) -> SpanSink:

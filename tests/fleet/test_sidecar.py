@@ -1,0 +1,346 @@
+"""The sidecar in front of a real 1P1D fleet: turn traces, diagnoses, phase split, bytes.
+
+One fleet (decoder_kv_blocks_ttl=10 s, the router's handle lifetime 4 s) with otelkv's
+sidecar in front of the router: the agents talk to the sidecar, the engines and the
+router export their spans to its OTLP receiver, and it keeps everything in its chDB
+store. The tests read the answers the way a user would: from the store through
+``otelkv.analysis.report`` (what ``otelkv why`` / ``conversation`` print) and through
+the CLI against the sidecar's query API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from otelkv import names
+from otelkv.analysis import report
+from otelkv.analysis.report import StoreSource
+from otelkv.fleet.agent import Conversation, Turn, TurnResult
+from otelkv.fleet.fleet import Fleet, FleetConfig
+from otelkv.sidecar.app import Sidecar, SidecarConfig
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.store import queries
+from tests.fleet.conftest import fleet_fixture
+from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
+
+pytestmark = pytest.mark.fleet
+
+TTL_S = 10.0
+TOOL_PAUSE_S = 1.2
+APP_PAUSE_S = 0.8
+
+AGENT = Conversation(
+    "conv-agent",
+    [
+        Turn("find the failing test in the build log", 64),
+        Turn("test_cache fails with timeout after 30 seconds", 64, pause_s=TOOL_PAUSE_S, tool="read_log"),
+        Turn("now write the fix", 48, pause_s=APP_PAUSE_S),
+    ],
+)
+LAPSE = Conversation(
+    "conv-lapse",
+    [Turn("plan the release of version two", 64), Turn("tests green", 32, pause_s=TTL_S + 2.0, tool="ci")],
+)
+ANONYMOUS = Conversation(
+    "conv-anonymous",
+    [Turn("list the open pull requests", 64), Turn("three open", 48, pause_s=0.6, tool="github")],
+    send_conversation_id=False,
+)
+STREAMED = Conversation(
+    "conv-streamed",
+    [Turn("explain the cache design", 64), Turn("shorter please", 48, pause_s=0.5)],
+    stream=True,
+)
+
+
+@pytest.fixture(scope="module")
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    config = FleetConfig(decoder_ttl_s=TTL_S, router_handle_ttl_s=4.0, sidecar=True)
+    yield from fleet_fixture(config, request)
+
+
+@pytest.fixture(scope="module")
+def results(fleet: Fleet) -> dict[str, list[TurnResult]]:
+    traced = fleet.driver()
+    untraced = fleet.driver(traced=False)  # sends no agent spans: the sidecar uses the messages
+
+    async def main() -> list[list[TurnResult]]:
+        async with aiohttp.ClientSession() as session:
+            return list(
+                await asyncio.gather(
+                    traced.run(AGENT, session), traced.run(LAPSE, session), untraced.run(ANONYMOUS, session)
+                )
+            )
+
+    runs = asyncio.run(main())
+    # A router whose decode leg streams (vLLM 0.32.0 then returns no kv_transfer_params).
+    assert fleet.router is not None
+    fleet.router.stream_decode = True
+    try:
+        (streamed,) = traced.run_sync([STREAMED])
+    finally:
+        fleet.router.stream_decode = False
+    out = {c.conversation_id: r for c, r in zip([AGENT, LAPSE, ANONYMOUS], runs, strict=True)}
+    out[STREAMED.conversation_id] = streamed
+    for conversation, turns in out.items():
+        if conversation != LAPSE.conversation_id:
+            assert all(t.ok for t in turns), [(t.status, t.error) for t in turns]
+    return out
+
+
+def turn_span(fleet: Fleet, trace_id: str) -> SpanRecord:
+    assert fleet.sink is not None
+    spans = wait_for_turn(fleet.sink, trace_id)
+    (span,) = [s for s in spans if s.scope_name == names.SCOPE_SIDECAR]
+    return span
+
+
+def stored(fleet: Fleet) -> StoreSource:
+    fleet.flush_store()
+    assert fleet.sidecar is not None
+    return StoreSource(fleet.sidecar.store)
+
+
+def test_one_trace_per_turn_from_sidecar_to_engines(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    turn = results["conv-agent"][1]
+    assert fleet.sink is not None
+    wait_for_turn(fleet.sink, turn.trace_id)
+    assert fleet.sidecar is not None
+    spans = queries.trace_spans(stored(fleet).store, [turn.trace_id])
+    assert {s.trace_id for s in spans} == {turn.trace_id}
+    (sidecar,) = [s for s in spans if s.scope_name == names.SCOPE_SIDECAR]
+    (router,) = [s for s in spans if s.name == "router chat"]
+    assert router.parent_span_id == sidecar.span_id
+    assert sidecar.name == "chat tiny-llama"
+    prefill = engine_request(spans, names.ROLE_PREFILL)
+    decode = engine_request(spans, names.ROLE_DECODE)
+    legs = {s.span_id: s.name for s in spans if s.parent_span_id == router.span_id}
+    assert legs[prefill.parent_span_id] == "router_leg prefill"
+    assert legs[decode.parent_span_id] == "router_leg decode"
+    (pull,) = children(spans, prefill, "kv_transfer")
+    assert pull.name == "kv_transfer D->P" and int(pull.attributes[names.TRANSFER_BYTES]) > 0
+    (push,) = children(spans, decode, "kv_transfer")
+    assert push.name == "kv_transfer P->D"
+    a = sidecar.attributes  # read back from the store: every value is a string
+    assert a[names.GEN_AI_CONVERSATION_ID] == "conv-agent"
+    assert a[names.TURN_INDEX] == "1"
+    assert prefill.attributes[names.GEN_AI_CONVERSATION_ID] == "conv-agent"  # X-Session-ID reached vLLM
+    phases = [
+        float(a[k])
+        for k in (
+            names.TURN_INPUT_PROCESSING_SECONDS,
+            names.TURN_GENERATION_SECONDS,
+            names.TURN_TOOL_WAIT_SECONDS,
+            names.TURN_APP_WORK_SECONDS,
+        )
+    ]
+    assert sum(phases) == pytest.approx(float(a[names.TURN_TOTAL_SECONDS]), abs=1e-6)
+
+
+def test_gap_split_from_agent_spans_and_from_messages(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    tool_turn, app_turn = results["conv-agent"][1], results["conv-agent"][2]
+    a = turn_span(fleet, tool_turn.trace_id).attributes
+    assert a[names.TURN_GAP_SOURCE] == names.GAP_SOURCE_AGENT_SPANS
+    # Tool wait is what the agent's own execute_tool span measured (the sleep it wraps can
+    # overrun on a busy machine, so compare with the span, not with the configured pause).
+    assert fleet.sink is not None
+    (tool,) = fleet.sink.spans(
+        lambda s: (
+            s.name == "execute_tool read_log"
+            and s.attributes.get(names.GEN_AI_CONVERSATION_ID) == "conv-agent"
+        )
+    )
+    assert tool.duration_s >= TOOL_PAUSE_S
+    assert a[names.TURN_TOOL_WAIT_SECONDS] == pytest.approx(tool.duration_s, abs=0.01)
+    assert a[names.TURN_APP_WORK_SECONDS] == pytest.approx(
+        a[names.TURN_GAP_SECONDS] - a[names.TURN_TOOL_WAIT_SECONDS]
+    )
+    b = turn_span(fleet, app_turn.trace_id).attributes
+    assert b[names.TURN_TOOL_WAIT_SECONDS] == 0.0
+    assert b[names.TURN_APP_WORK_SECONDS] >= APP_PAUSE_S
+    # Without agent spans, the tool result in the request makes the whole gap tool wait.
+    c = turn_span(fleet, results["conv-anonymous"][1].trace_id).attributes
+    assert c[names.TURN_GAP_SOURCE] == names.GAP_SOURCE_MESSAGES
+    assert c[names.TURN_TOOL_WAIT_SECONDS] == c[names.TURN_GAP_SECONDS] >= 0.6
+    # The conversation waterfall shows the same split.
+    waterfall = report.conversation(stored(fleet), "conv-agent")
+    assert [row["turn_index"] for row in waterfall["turns"]] == [0, 1, 2]
+    row = waterfall["turns"][1]
+    assert row["phases"][names.PHASE_TOOL_WAIT] == pytest.approx(tool.duration_s, abs=0.01)
+
+
+def test_why_names_the_ttl_lapse_with_gap_and_ttl(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
+    first, second = results["conv-lapse"]
+    assert fleet.sink is not None
+    # The first turn's retention ends (expired) before the second turn starts.
+    decode = engine_request(wait_for_turn(fleet.sink, first.trace_id), names.ROLE_DECODE)
+    spans = in_trace(fleet.sink.wait_for(lambda s: bool(children(s, decode, "kv_retention"))), first.trace_id)
+    (retention,) = children(spans, decode, "kv_retention")
+    assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_EXPIRED
+    turn_span(fleet, second.trace_id)
+    answer = report.why(stored(fleet), "conv-lapse#1")
+    by_id = {d["id"]: d for d in answer["diagnoses"]}
+    assert names.DIAG_TTL_LAPSED in by_id, answer["diagnoses"]
+    evidence = by_id[names.DIAG_TTL_LAPSED]["evidence"]
+    gap = next(v for k, v in evidence.items() if "gap" in k)
+    ttl = next(v for k, v in evidence.items() if "ttl" in k)
+    assert float(ttl) == TTL_S
+    assert float(gap) >= TTL_S + 2.0
+    summary = by_id[names.DIAG_TTL_LAPSED]["summary"]
+    assert "10" in summary
+
+
+def test_streaming_decode_leg_is_diagnosed_as_missing_handle(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    first, second = results["conv-streamed"]
+    turn_span(fleet, first.trace_id)
+    assert (
+        engine_request(wait_for_turn(fleet.sink, second.trace_id), names.ROLE_PREFILL).attributes[  # type: ignore[arg-type]
+            names.PULL_REASON
+        ]
+        == names.REASON_NO_DECODE_HANDLE
+    )
+    answer = report.why(stored(fleet), second.trace_id)
+    assert names.DIAG_DECODE_NO_HANDLE in [d["id"] for d in answer["diagnoses"]], answer["diagnoses"]
+
+
+def test_request_without_conversation_id_is_fingerprinted_and_diagnosed(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    spans = [turn_span(fleet, t.trace_id) for t in results["conv-anonymous"]]
+    ids = {s.attributes[names.GEN_AI_CONVERSATION_ID] for s in spans}
+    assert len(ids) == 1 and next(iter(ids)).startswith("fp-")
+    assert [s.attributes[names.TURN_INDEX] for s in spans] == [0, 1]
+    assert all(s.attributes[names.CONVERSATION_INFERRED] is True for s in spans)
+    answer = report.why(stored(fleet), results["conv-anonymous"][1].trace_id)
+    assert names.DIAG_NO_CONVERSATION_ID in [d["id"] for d in answer["diagnoses"]]
+
+
+def test_cli_why_and_slow_through_the_sidecar_api(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
+    assert fleet.sidecar is not None
+    turn_span(fleet, results["conv-lapse"][1].trace_id)
+    fleet.flush_store()
+    cli = [sys.executable, "-m", "otelkv.cli.main"]
+    out = subprocess.run(
+        [*cli, "why", "conv-lapse#1", "--sidecar", fleet.sidecar.admin_url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert names.DIAG_TTL_LAPSED in [d["id"] for d in json.loads(out.stdout)["diagnoses"]]
+    out = subprocess.run(
+        [*cli, "slow", "--since", "1h", "--limit", "3", "--sidecar", fleet.sidecar.admin_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "conv-lapse" in out.stdout  # the 12 s tool wait makes it the slowest turn
+
+
+def test_sidecar_metrics_count_turns_and_kv_reuse(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
+    import urllib.request
+
+    assert fleet.sidecar is not None
+    turn_span(fleet, results["conv-agent"][2].trace_id)
+    text = urllib.request.urlopen(f"{fleet.sidecar.admin_url}/metrics", timeout=10).read().decode()
+    assert 'otelkv_turn_phase_seconds_count{model="tiny-llama",phase="tool_wait"}' in text
+    assert 'otelkv_trace_pull_decisions_total{decision="pull",reason="pulled"}' in text
+    assert "otelkv_trace_kv_transfer_bytes_total" in text
+    assert "conv-agent" not in text  # conversation ids never become labels
+
+
+# ---------------------------------------------------------------------- byte-for-byte
+
+
+class RecordingRelay:
+    """A TCP relay that keeps every byte the upstream sent back (what the sidecar received)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.from_upstream = bytearray()
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, record: bool) -> None:
+            while data := await src.read(65536):
+                if record:
+                    self.from_upstream += data
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        await asyncio.gather(
+            pipe(reader, up_writer, False), pipe(up_reader, writer, True), return_exceptions=True
+        )
+
+
+def http_body(raw: bytes) -> bytes:
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return rest
+    body = bytearray()
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        body += rest[:size]
+        rest = rest[size + 2 :]
+    return bytes(body)
+
+
+def test_streamed_bytes_reach_the_client_exactly_as_the_router_sent_them(fleet: Fleet) -> None:
+    assert fleet.router is not None
+    relay = RecordingRelay(fleet.router.port)
+    config = SidecarConfig(upstream=f"http://127.0.0.1:{relay.port}", port=0, admin_port=0, store=False)
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "stream me a few tokens, ünïcode ✓"}],
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def fetch(url: str) -> bytes:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"{url}/v1/chat/completions", json=body, headers={"X-Conversation-Id": "conv-bytes"}
+            ) as resp,
+        ):
+            assert resp.status == 200
+            return await resp.read()
+
+    with Sidecar(config) as sidecar:
+        received = asyncio.run(fetch(sidecar.url))
+    assert received.startswith(b"data: ") and received.rstrip().endswith(b"data: [DONE]")
+    assert received == http_body(bytes(relay.from_upstream))
