@@ -134,6 +134,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=8.0, help="saturation seconds per round")
+    parser.add_argument("--no-store", action="store_true", help="run the sidecar without its store")
     args = parser.parse_args()
 
     up_port, px_port, admin_port = free_port(), free_port(), free_port()
@@ -144,7 +145,8 @@ def main() -> int:
             [
                 *(sys.executable, "-m", "otelkv.cli.main", "sidecar"),
                 *("--upstream", f"http://127.0.0.1:{up_port}", "--listen", f"127.0.0.1:{px_port}"),
-                *("--admin-listen", f"127.0.0.1:{admin_port}", "--store", store),
+                *("--admin-listen", f"127.0.0.1:{admin_port}"),
+                *(("--no-store",) if args.no_store else ("--store", store)),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -28,6 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from otelkv import names
+from otelkv.analysis import report
+from otelkv.analysis.report import StoreSource
 from otelkv.sidecar.otlp import SpanRecord
 from otelkv.store import queries
 from otelkv.store.chdb_store import ChdbStore, spans_to_arrow
@@ -119,9 +121,9 @@ def synthetic_spans(n: int, t0: int) -> list[SpanRecord]:
     return out
 
 
-def bench_ingest(n: int) -> dict[str, float]:
+def bench_ingest(n: int, batch_size: int = BATCH) -> dict[str, float]:
     spans = synthetic_spans(n, time.time_ns() - 3600 * 10**9)
-    batches = [spans[i : i + BATCH] for i in range(0, len(spans), BATCH)]
+    batches = [spans[i : i + batch_size] for i in range(0, len(spans), batch_size)]
     started = time.perf_counter()
     for batch in batches:
         spans_to_arrow(batch)
@@ -249,6 +251,14 @@ def bench_queries(turns: int, repeats: int) -> tuple[float, int, list[tuple[str,
                 lambda: queries.trace_spans(store, [s.trace_id for s in queries.turn_spans(store)]), repeats
             )
             rows.append(("slowest 20 + their traces (both)", total, len(ids)))
+            # What the CLI runs end to end (SQL + turn reconstruction + diagnoses).
+            source = StoreSource(store)
+            seconds, answer = timed(lambda: report.slow(source, limit=10), repeats)
+            rows.append(("otelkv slow (report.slow, 10 turns)", seconds, len(answer["turns"])))
+            seconds, answer = timed(lambda: report.why(source, ids[0]), repeats)
+            rows.append(("otelkv why TRACE (report.why)", seconds, len(answer["diagnoses"])))
+            seconds, answer = timed(lambda: report.conversation(source, conv), repeats)
+            rows.append(("otelkv conversation ID", seconds, len(answer["turns"])))
         finally:
             store.close()
     return gen_s, n_spans, rows
@@ -261,13 +271,20 @@ def main() -> None:
     parser.add_argument("--spans", type=int, default=200_000, help="spans to ingest through insert_spans")
     parser.add_argument("--turns", type=int, default=100_000, help="turns in the query benchmark's store")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--batches", default=f"{BATCH},20000", help="comma-separated batch sizes, measured side by side"
+    )
     args = parser.parse_args()
 
     if args.spans:
-        r = bench_ingest(args.spans)
-        print(f"ingest: {r['spans']:,} spans in batches of {BATCH} through ChdbStore.insert_spans")
-        print(f"  {'end to end':<28}{r['spans_per_s']:>12,.0f} spans/s  ({r['total_s']:.1f} s)")
-        print(f"  {'of which Arrow build alone':<28}{r['arrow_build_per_s']:>12,.0f} spans/s")
+        print(f"ingest: {args.spans:,} spans through ChdbStore.insert_spans")
+        for size in [int(b) for b in args.batches.split(",")]:
+            r = bench_ingest(args.spans, size)
+            print(
+                f"  batches of {size:<6} end to end {r['spans_per_s']:>10,.0f} spans/s"
+                f" ({r['total_s']:.1f} s);"
+                f" Arrow build alone {r['arrow_build_per_s']:>10,.0f} spans/s"
+            )
     if args.turns:
         gen_s, n_spans, rows = bench_queries(args.turns, args.repeats)
         print(f"\nqueries: {args.turns:,} turns = {n_spans:,} spans (generated in SQL in {gen_s:.1f} s)")

@@ -624,8 +624,8 @@ def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = 16) -> float
     """Seconds per computed prompt token on the prefill node: the fastest of the given turns.
 
     A prefill span's duration minus its KV wait, divided by the tokens it computed,
-    bounds the cost of recomputing one token on that engine from above. Requests that computed fewer than ``min_tokens`` are
-    skipped (fixed per-request overhead dominates them).
+    bounds the cost of recomputing one token on that engine from above. Requests that
+    computed fewer than ``min_tokens`` are skipped (fixed per-request overhead dominates).
     """
     rates = []
     for turn in turns:

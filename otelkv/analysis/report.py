@@ -53,7 +53,12 @@ class SpanSource(Protocol):
     def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]: ...
 
     def tool_spans(
-        self, *, since_ns: int | None, until_ns: int | None, conversation_id: str | None = None
+        self,
+        *,
+        since_ns: int | None,
+        until_ns: int | None,
+        conversation_id: str | None = None,
+        conversation_ids: Sequence[str] | None = None,
     ) -> list[SpanRecord]: ...
 
     def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None: ...
@@ -105,8 +110,14 @@ class InMemorySource:
         return [s for s in self.spans if s.trace_id in wanted]
 
     def tool_spans(
-        self, *, since_ns: int | None = None, until_ns: int | None = None, conversation_id: str | None = None
+        self,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        conversation_id: str | None = None,
+        conversation_ids: Sequence[str] | None = None,
     ) -> list[SpanRecord]:
+        wanted = set(conversation_ids) if conversation_ids is not None else None
         return [
             s
             for s in self.spans
@@ -117,6 +128,7 @@ class InMemorySource:
                 conversation_id is None
                 or attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
             )
+            and (wanted is None or attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) in wanted)
         ]
 
     def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None:
@@ -167,11 +179,20 @@ class StoreSource:
         return list(self._q().trace_spans(self.store, list(trace_ids)))
 
     def tool_spans(
-        self, *, since_ns: int | None = None, until_ns: int | None = None, conversation_id: str | None = None
+        self,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        conversation_id: str | None = None,
+        conversation_ids: Sequence[str] | None = None,
     ) -> list[SpanRecord]:
         return list(
             self._q().tool_spans(
-                self.store, since_ns=since_ns, until_ns=until_ns, conversation_id=conversation_id
+                self.store,
+                since_ns=since_ns,
+                until_ns=until_ns,
+                conversation_id=conversation_id,
+                conversation_ids=conversation_ids,
             )
         )
 
@@ -198,7 +219,13 @@ def _load_turns(
             group.append(span)
     lo = min(s.start_ns - int(attr_float(s.attributes, names.TURN_GAP_SECONDS) * 1e9) for s in turn_spans)
     hi = max(s.start_ns for s in turn_spans)
-    tools = source.tool_spans(since_ns=lo, until_ns=hi, conversation_id=conversation_id) if hi > lo else []
+    tools: list[SpanRecord] = []
+    if hi > lo:
+        if conversation_id is not None:
+            tools = source.tool_spans(since_ns=lo, until_ns=hi, conversation_id=conversation_id)
+        else:  # only these turns' conversations: a window of days holds far more tool spans
+            convs = sorted({attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) for s in turn_spans} - {""})
+            tools = source.tool_spans(since_ns=lo, until_ns=hi, conversation_ids=convs) if convs else []
     previous: dict[str, Turn | None] = {}
     for pid in set(p for p in prev_ids if p) - set(wanted):
         previous[pid] = build_turn(by_trace.get(pid, []), tool_spans=tools)

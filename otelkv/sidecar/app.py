@@ -60,11 +60,20 @@ class SidecarConfig:
     max_body_bytes: int = 32 * 1024 * 1024
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (vLLM brings it): it roughly halves the proxy's per-request CPU."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 class _LoopThread:
     """An asyncio loop on a daemon thread, serving one aiohttp app."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = _new_loop()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.runner: web.AppRunner | None = None
         self.port = 0

@@ -96,9 +96,18 @@ ORDER BY Timestamp ASC, SpanId"""
 
 
 def tool_spans(
-    store: TraceStore, *, since_ns: int, until_ns: int, conversation_id: str | None = None
+    store: TraceStore,
+    *,
+    since_ns: int,
+    until_ns: int,
+    conversation_id: str | None = None,
+    conversation_ids: Sequence[str] | None = None,
 ) -> list[SpanRecord]:
-    """``execute_tool {name}`` spans overlapping ``[since_ns, until_ns]``, in start order."""
+    """``execute_tool {name}`` spans overlapping ``[since_ns, until_ns]``, in start order.
+
+    Filter by one conversation or several (``otelkv slow`` asks for the tool spans of its
+    turns' conversations only: a window spanning days holds far more).
+    """
     table, _ = _tables(store)
     where = [
         "SpanName LIKE {tool_like:String}",
@@ -113,6 +122,9 @@ def tool_spans(
     if conversation_id is not None:
         where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
         params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
+    elif conversation_ids is not None:
+        where.append("has({conversation_ids:Array(String)}, SpanAttributes[{conv_key:String}])")
+        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_ids=list(conversation_ids))
     sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
     return _spans(store, sql, params)
 
