@@ -182,7 +182,12 @@ class PDRouter:
         loop.close()
 
     async def _setup(self, port: int) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        # vLLM's API server (uvicorn) closes idle keep-alive connections after 5 s; reusing
+        # one at that moment fails the leg with "Server disconnected". Close them first.
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            connector=aiohttp.TCPConnector(keepalive_timeout=3.0),
+        )
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)

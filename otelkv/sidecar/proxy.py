@@ -138,7 +138,10 @@ class Proxy:
         self._session = aiohttp.ClientSession(
             timeout=timeout,
             auto_decompress=False,  # forward the upstream's bytes as they are
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+            # Idle upstream connections are closed before common server keep-alive limits
+            # (uvicorn, which vLLM and many routers use: 5 s), so a reused connection is not
+            # closed under a request ("Server disconnected" would become a 502).
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=4.0),
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
         )
 
