@@ -246,15 +246,20 @@ class Turn:
         return [leg.config for leg in (self.prefill, self.decode) if leg is not None]
 
     def decoder_ttl_s(self) -> float | None:
-        """The decode TTL that governed this turn's hand-off: the previous retention first."""
+        """The decode TTL that governed this turn's hand-off.
+
+        The configured value first (the decode node's resource attributes: what an operator
+        sets and recognises), the previous retention's measured TTL only without it (its
+        deadline minus start reads a few microseconds short, e.g. 9.99975 for 10).
+        """
         prev = self.previous
-        if prev and prev.decode and prev.decode.retention and prev.decode.retention.ttl_s is not None:
-            return prev.decode.retention.ttl_s
+        if prev and prev.decode and prev.decode.config.decoder_ttl_s is not None:
+            return prev.decode.config.decoder_ttl_s
         for leg in (self.decode, self.prefill):
             if leg is not None and leg.config.decoder_ttl_s is not None:
                 return leg.config.decoder_ttl_s
-        if prev and prev.decode and prev.decode.config.decoder_ttl_s is not None:
-            return prev.decode.config.decoder_ttl_s
+        if prev and prev.decode and prev.decode.retention and prev.decode.retention.ttl_s is not None:
+            return prev.decode.retention.ttl_s
         return None
 
     def phase_dict(self) -> dict[str, float] | None:

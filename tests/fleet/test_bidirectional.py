@@ -1,6 +1,6 @@
 """Bidirectional KV transfer on a real 1P1D fleet: pulls, TTL lapse, threshold, metrics.
 
-One fleet (decoder_kv_blocks_ttl=12 s, kv_recompute_threshold=64, default failure policy
+One fleet (decoder_kv_blocks_ttl=20 s, kv_recompute_threshold=64, default failure policy
 "fail") runs one concurrent workload; each test reads what the engines recorded for
 its own conversation. The router forwards handles of any age (like a router whose TTL
 is not below the decode TTL), so a lapsed handle reaches the prefill node.
@@ -24,7 +24,7 @@ from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
 
 pytestmark = pytest.mark.fleet
 
-TTL_S = 12.0
+TTL_S = 20.0
 THRESHOLD = 64
 
 PULLS = Conversation(

@@ -1,6 +1,6 @@
 """The sidecar in front of a real 1P1D fleet: turn traces, diagnoses, phase split, bytes.
 
-One fleet (decoder_kv_blocks_ttl=10 s, the router's handle lifetime 4 s) with otelkv's
+One fleet (decoder_kv_blocks_ttl=14 s, the router's handle lifetime 8 s) with otelkv's
 sidecar in front of the router: the agents talk to the sidecar, the engines and the
 router export their spans to its OTLP receiver, and it keeps everything in its chDB
 store. The tests read the answers the way a user would: from the store through
@@ -33,7 +33,7 @@ from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
 
 pytestmark = pytest.mark.fleet
 
-TTL_S = 10.0
+TTL_S = 14.0
 TOOL_PAUSE_S = 1.2
 APP_PAUSE_S = 0.8
 
@@ -63,7 +63,7 @@ STREAMED = Conversation(
 
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    config = FleetConfig(decoder_ttl_s=TTL_S, router_handle_ttl_s=4.0, sidecar=True)
+    config = FleetConfig(decoder_ttl_s=TTL_S, router_handle_ttl_s=TTL_S - 6.0, sidecar=True)
     yield from fleet_fixture(config, request)
 
 
@@ -199,7 +199,7 @@ def test_why_names_the_ttl_lapse_with_gap_and_ttl(fleet: Fleet, results: dict[st
     assert float(ttl) == TTL_S
     assert float(gap) >= TTL_S + 2.0
     summary = by_id[names.DIAG_TTL_LAPSED]["summary"]
-    assert "10" in summary
+    assert f"decoder_kv_blocks_ttl={TTL_S:g}s" in summary
 
 
 def test_streaming_decode_leg_is_diagnosed_as_missing_handle(

@@ -118,3 +118,54 @@ def test_bad_on_drop_callback_is_ignored() -> None:
     writer = BatchWriter(FakeStore(), max_queue_spans=1, on_drop=boom)
     assert not writer.submit(spans(2))
     writer.close()
+
+
+class PipelinedStore(FakeStore):
+    """A store with the two-step insert: the writer builds and writes on two threads."""
+
+    def __init__(self, fail_prepare: int = 0, fail_insert: int = 0) -> None:
+        super().__init__()
+        self.fail_prepare, self.fail_insert = fail_prepare, fail_insert
+        self.threads: set[str] = set()
+
+    def prepare(self, batch: Sequence[SpanRecord]) -> list[SpanRecord]:
+        self.threads.add(threading.current_thread().name)
+        if self.fail_prepare > 0:
+            self.fail_prepare -= 1
+            raise ValueError("bad batch")
+        return list(batch)
+
+    def insert_prepared(self, prepared: list[SpanRecord]) -> int:
+        self.threads.add(threading.current_thread().name)
+        if self.fail_insert > 0:
+            self.fail_insert -= 1
+            raise RuntimeError("disk full")
+        self.batches.append(len(prepared))
+        return len(prepared)
+
+
+def test_pipelined_store_writes_everything_on_two_threads() -> None:
+    store = PipelinedStore()
+    writer = BatchWriter(store, batch_spans=100, flush_interval_s=0.01)
+    for _ in range(25):
+        assert writer.submit(spans(40))
+    assert writer.flush(5)
+    assert sum(store.batches) == 1000
+    assert store.threads == {"otelkv-store-writer", "otelkv-store-inserter"}
+    assert writer.stats()["queued"] == 0
+    assert writer.close()
+
+
+def test_pipelined_failures_in_either_half_are_counted_and_the_writer_goes_on() -> None:
+    drops: list[tuple[str, int]] = []
+    store = PipelinedStore(fail_prepare=1, fail_insert=1)
+    writer = BatchWriter(
+        store, batch_spans=10, flush_interval_s=0.01, on_drop=lambda r, n: drops.append((r, n))
+    )
+    for _ in range(5):
+        assert writer.submit(spans(10))
+        assert writer.flush(5)
+    stats = writer.stats()
+    assert stats["dropped_store_error"] == 20 and stats["written"] == 30
+    assert drops == [(DROP_STORE_ERROR, 10), (DROP_STORE_ERROR, 10)]
+    assert writer.close()
