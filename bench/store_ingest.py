@@ -142,7 +142,7 @@ def bench_ingest(n: int, batch_size: int = BATCH) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         store = ChdbStore(Path(tmp) / "store")
         try:
-            # The sidecar's path: BatchWriter builds the next batch while chDB writes this one.
+            # The sidecar's path: submit to the BatchWriter, flush.
             writer = BatchWriter(store, batch_spans=batch_size, max_queue_spans=n)
             started = time.perf_counter()
             for batch in batches:

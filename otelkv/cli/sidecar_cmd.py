@@ -61,9 +61,6 @@ def run_sidecar(args: argparse.Namespace) -> int:
     from otelkv.store.base import StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The store writer thread builds Arrow batches in Python; with the default 5 ms switch
-    # interval a proxied request could wait that long for the GIL (p99 latency +8 ms).
-    sys.setswitchinterval(0.0005)
     host, port = _host_port(args.listen, "--listen")
     admin_host, admin_port = _host_port(args.admin_listen, "--admin-listen")
     config = SidecarConfig(

@@ -274,19 +274,12 @@ class ChdbStore:
     def insert_spans(self, spans: Sequence[SpanRecord]) -> int:
         if not spans:
             return 0
-        return self.insert_prepared(self.prepare(spans))
-
-    def prepare(self, spans: Sequence[SpanRecord]) -> pa.Table:
-        """The Python half of an insert (building the Arrow batch), separate so a writer can
-        build the next batch while chDB, which releases the GIL, writes this one."""
         try:
-            return spans_to_arrow(spans)
+            batch = spans_to_arrow(spans)
         except (UnicodeEncodeError, pa.ArrowException, TypeError, ValueError):
-            return spans_to_arrow(spans, clean=True)
-
-    def insert_prepared(self, batch: pa.Table) -> int:
+            batch = spans_to_arrow(spans, clean=True)
         self._run_insert(batch)
-        return int(batch.num_rows)
+        return len(spans)
 
     def _run_insert(self, _otelkv_arrow_batch: pa.Table) -> None:
         # chDB resolves ``Python(_otelkv_arrow_batch)`` by name in the calling frames.

@@ -10,7 +10,6 @@ dropped, counted, logged at most once a minute, and the writer carries on.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -56,19 +55,6 @@ class BatchWriter:
         self._last_error_log = -_LOG_EVERY_S
         self._cond = threading.Condition()
         self._closing = False
-        # Stores that split an insert into a Python half (prepare) and an engine half
-        # (insert_prepared) get two threads: the next batch is built while this one is
-        # written, which nearly doubles chDB ingest (the engine releases the GIL).
-        self._pipelined = callable(getattr(store, "prepare", None)) and callable(
-            getattr(store, "insert_prepared", None)
-        )
-        self._handoff: queue.Queue[tuple[Any, int] | None] = queue.Queue(maxsize=1)
-        self._inserter: threading.Thread | None = None
-        if self._pipelined:
-            self._inserter = threading.Thread(
-                target=self._insert_loop, name="otelkv-store-inserter", daemon=True
-            )
-            self._inserter.start()
         self._thread = threading.Thread(target=self._run, name="otelkv-store-writer", daemon=True)
         self._thread.start()
 
@@ -141,7 +127,7 @@ class BatchWriter:
                 batch.extend(head[:room])
                 self._queue[0] = head[room:]
         self._queued -= len(batch)
-        self._in_flight += len(batch)
+        self._in_flight = len(batch)
         return batch
 
     def _run(self) -> None:
@@ -151,76 +137,35 @@ class BatchWriter:
                     self._cond.wait(self.flush_interval_s)
                 if self._closing and not self._queued:
                     self._cond.notify_all()
-                    break
+                    return
                 batch = self._take()
-            if not batch:
-                continue
-            if self._pipelined:
-                self._prepare(batch)
-                continue
-            self._write(batch)
-            self._done(len(batch))
-        if self._inserter is not None:
-            self._handoff.put(None)
-            self._inserter.join()
-
-    def _done(self, n: int) -> None:
-        with self._cond:
-            self._in_flight -= n
-            self._cond.notify_all()
-
-    def _prepare(self, batch: list[SpanRecord]) -> None:
-        try:
-            prepared = self.store.prepare(batch)  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
-            self._failed(batch, exc)
-            self._done(len(batch))
-            return
-        self._handoff.put((prepared, len(batch)))  # waits while the previous batch is written
-
-    def _insert_loop(self) -> None:
-        while True:
-            item = self._handoff.get()
-            if item is None:
-                return
-            prepared, n = item
-            try:
-                written = self.store.insert_prepared(prepared)  # type: ignore[attr-defined]
-            except Exception as exc:  # noqa: BLE001
-                self._failed_count(n, exc)
-            else:
-                with self._cond:
-                    self._written += written
-                    self._batches += 1
-            self._done(n)
+            if batch:
+                self._write(batch)
+            with self._cond:
+                self._in_flight = 0
+                self._cond.notify_all()
 
     def _write(self, batch: list[SpanRecord]) -> None:
         try:
             written = self.store.insert_spans(batch)
         except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
-            self._failed(batch, exc)
+            with self._cond:
+                self._dropped_error += len(batch)
+            now = time.monotonic()
+            if now - self._last_error_log >= _LOG_EVERY_S:
+                self._last_error_log = now
+                log.warning(
+                    "trace store %s rejected %d spans (%s); dropping them and carrying on "
+                    "(logged at most once a minute)",
+                    _describe(self.store),
+                    len(batch),
+                    exc,
+                )
+            self._report_drop(DROP_STORE_ERROR, len(batch))
             return
         with self._cond:
             self._written += written
             self._batches += 1
-
-    def _failed(self, batch: Sequence[SpanRecord], exc: Exception) -> None:
-        self._failed_count(len(batch), exc)
-
-    def _failed_count(self, n: int, exc: Exception) -> None:
-        with self._cond:
-            self._dropped_error += n
-        now = time.monotonic()
-        if now - self._last_error_log >= _LOG_EVERY_S:
-            self._last_error_log = now
-            log.warning(
-                "trace store %s rejected %d spans (%s); dropping them and carrying on "
-                "(logged at most once a minute)",
-                _describe(self.store),
-                n,
-                exc,
-            )
-        self._report_drop(DROP_STORE_ERROR, n)
 
     def _report_drop(self, reason: str, n: int) -> None:
         if self.on_drop is None:
