@@ -194,7 +194,11 @@ def test_pause_longer_than_ttl_expires_the_retention_and_fails_the_next_turn(
     )
     (retention,) = children(spans, decode, "kv_retention")
     assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_EXPIRED
-    assert TTL_S - 0.5 <= retention.attributes[names.RETENTION_HELD_SECONDS] <= TTL_S + 3.0
+    # Held at least the TTL. No upper bound: vLLM frees expired blocks on the decode
+    # node's next engine step, so an idle node holds them until its next request arrives
+    # (CI once measured 41.6 s for a 20 s TTL); otelkv reports what vLLM actually did.
+    assert retention.attributes[names.RETENTION_HELD_SECONDS] >= TTL_S - 0.5
+    assert_agrees_with_vllm(fleet, retention)
 
     # Turn 1: the router still had the handle; prefill declined the read and vLLM failed it.
     spans = wait_for_turn(fleet.sink, second.trace_id, decode=False)
