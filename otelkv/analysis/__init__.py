@@ -1,1 +1,1 @@
-"""Analysis of recorded spans: turn reconstruction (and, later, diagnoses and what-if)."""
+"""Analysis of recorded spans: turn phases, turns from spans, diagnoses, slow/conversation/why."""
