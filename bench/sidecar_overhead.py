@@ -5,13 +5,17 @@
 An upstream that answers instantly (a small aiohttp server in its own process, so the
 numbers are the proxy's, not a model's) serves a chat completion, non-streaming and
 streaming (8 SSE chunks). The sidecar runs as a real ``otelkv sidecar`` process in front
-of it (with its store: spans go through the same path as in production). The load
-generator alternates direct and sidecar rounds so machine noise hits both arms alike.
+of it (with its store: spans go through the same path as in production): its proxy
+process relays, its main process builds spans and writes the store. The load generator
+alternates direct and sidecar rounds so machine noise hits both arms alike. Also printed:
+the CPU each sidecar process spent per turn, a figure the machine's noise barely moves.
 
 Latency: one request at a time; added latency = sidecar percentile - direct percentile.
 Saturation: ``--concurrency`` clients for ``--seconds`` per round; ratio = sidecar / direct.
 On a 2-core machine the sidecar and the upstream compete for the same cores at
-saturation, which is the honest worst case for the throughput ratio.
+saturation, and this upstream costs about as little per request as the proxy does, so
+the ratio here is the proxy's ceiling, not a fleet's: ``bench/sidecar_fleet.py``
+measures throughput in front of real engines.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -123,6 +128,17 @@ async def saturation_round(url: str, stream: bool, concurrency: int, seconds: fl
         return done / (time.perf_counter() - started)
 
 
+def process_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the sidecar's main process and of its proxy process (its child)."""
+
+    def cpu(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    main = psutil.Process(pid)
+    return cpu(main), sum(cpu(c) for c in main.children(recursive=True))
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
@@ -158,6 +174,8 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{admin_port}/api/v1/health")
         direct, sidecar = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{px_port}"
         rows = []
+        sidecar_turns = 0
+        cpu_main = cpu_proxy = 0.0
         for stream in (False, True):
             lat: dict[str, list[float]] = {"direct": [], "sidecar": []}
             rps: dict[str, list[float]] = {"direct": [], "sidecar": []}
@@ -166,7 +184,13 @@ def main() -> int:
                 if r % 2:
                     order.reverse()
                 for arm, url in order:
+                    before = process_cpu(procs[1].pid)
                     lat[arm] += asyncio.run(latency_round(url, stream, args.requests))
+                    if arm == "sidecar":
+                        after = process_cpu(procs[1].pid)
+                        cpu_main += after[0] - before[0]
+                        cpu_proxy += after[1] - before[1]
+                        sidecar_turns += args.requests + 20
                 for arm, url in order:
                     rate = asyncio.run(saturation_round(url, stream, args.concurrency, args.seconds))
                     rps[arm].append(rate)
@@ -195,6 +219,11 @@ def main() -> int:
     print(f"{'':{width}}  {'direct':>12}  {'sidecar':>12}  {'sidecar vs direct':>18}")
     for name, d, s, delta in rows:
         print(f"{name:{width}}  {d:>12}  {s:>12}  {delta:>18}")
+    print(
+        f"sidecar CPU per turn (latency rounds, {sidecar_turns} turns): proxy process "
+        f"{1e6 * cpu_proxy / sidecar_turns:.0f} us, main process (spans, metrics, store) "
+        f"{1e6 * cpu_main / sidecar_turns:.0f} us"
+    )
     print("turn spans stored:", stored or "0", " dropped:", dropped or "0")
     return 0
 

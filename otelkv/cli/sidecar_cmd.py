@@ -58,6 +58,7 @@ def _host_port(value: str, flag: str) -> tuple[str, int]:
 
 def run_sidecar(args: argparse.Namespace) -> int:
     from otelkv.sidecar.app import Sidecar, SidecarConfig, default_store_path
+    from otelkv.sidecar.proxy_process import ProxyStartError
     from otelkv.store.base import StoreError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -80,6 +81,9 @@ def run_sidecar(args: argparse.Namespace) -> int:
         sidecar = Sidecar(config).start()
     except StoreError as exc:
         print(f"otelkv sidecar: {exc}", file=sys.stderr)
+        return 2
+    except ProxyStartError as exc:  # the message names the port or the bad upstream URL
+        print(exc, file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"otelkv sidecar: cannot listen: {exc}", file=sys.stderr)

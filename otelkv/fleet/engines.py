@@ -173,6 +173,10 @@ class Engine:
             return ""
         return "\n".join(text[-lines:])
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def is_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -1,11 +1,13 @@
 """The sidecar process: proxy, OTLP receiver, store, query API and /metrics, wired together.
 
-Two listeners, each on its own thread and event loop, so telemetry work (decoding a
-large OTLP export, answering a query) never delays a proxied byte:
+Two processes, so telemetry work (building spans, decoding a large OTLP export, writing
+the store, answering a query) never delays a proxied byte:
 
-- the proxy (default 127.0.0.1:8800), in front of the fleet's router;
-- the admin listener (default 127.0.0.1:8801): ``/v1/traces`` (OTLP/HTTP), ``/metrics``,
-  ``/api/v1/...`` (query API).
+- the proxy process (default 127.0.0.1:8800), in front of the fleet's router: a lean
+  relay that only identifies turns and times them (``proxy_worker.py``);
+- this process: turn spans and metrics from the proxy's turn records, the admin listener
+  (default 127.0.0.1:8801: ``/v1/traces`` OTLP/HTTP, ``/metrics``, ``/api/v1/...`` query
+  API) on its own thread and event loop, and the store writer.
 
 Both bind to localhost unless told otherwise; with ``OTELKV_TOKEN`` set, the OTLP
 receiver and the query API require it as a bearer token.
@@ -22,16 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
 
 from otelkv import __version__, names
 from otelkv.sidecar.api import QueryApi, token_guard
-from otelkv.sidecar.conversations import ConversationTracker
+from otelkv.sidecar.forward import CollectorForwarder
 from otelkv.sidecar.metrics import SidecarMetrics
-from otelkv.sidecar.pipeline import PipelineSpanProcessor, SpanPipeline
-from otelkv.sidecar.proxy import Proxy, ProxyConfig
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.sidecar.pipeline import SpanPipeline
+from otelkv.sidecar.proxy_process import ProxyProcess
 from otelkv.sidecar.receiver import MAX_OTLP_BODY_BYTES, OtlpReceiver
+from otelkv.sidecar.recorder import TurnRecorder
 from otelkv.sidecar.tool_spans import ToolSpanIndex
 
 logger = logging.getLogger("otelkv.sidecar")
@@ -115,31 +117,29 @@ class Sidecar:
         self.config = config
         self.metrics = SidecarMetrics()
         self.tools = ToolSpanIndex()
-        self.tracker = ConversationTracker()
         self.store: Any = None
         self.writer: Any = None
         self.source: Any = None
         self.pipeline = SpanPipeline(self.metrics, self.tools, None)
-        self.provider = TracerProvider(
-            resource=Resource.create({"service.name": config.service_name, "service.version": __version__})
-        )
-        self.provider.add_span_processor(PipelineSpanProcessor(self.pipeline))
-        _maybe_forward(self.provider)
-        self.tracer = self.provider.get_tracer(names.SCOPE_SIDECAR, __version__)
-        self.proxy = Proxy(
-            ProxyConfig(
-                config.upstream,
-                inject_session_header=config.inject_session_header,
-                inject_body_conversation_id=config.inject_body_conversation_id,
-                max_body_bytes=config.max_body_bytes,
-            ),
-            tracer=self.tracer,
+        self.forwarder = CollectorForwarder.from_env()
+        self.recorder = TurnRecorder(
             metrics=self.metrics,
-            tracker=self.tracker,
             tools=self.tools,
+            resource={"service.name": config.service_name, "service.version": __version__},
+            accept=self._accept_turns,
+        )
+        self.proxy = ProxyProcess(
+            upstream=config.upstream,
+            host=config.host,
+            port=config.port,
+            on_turns=self.recorder.record,
+            on_counters=self._proxy_counters,
+            max_body_bytes=config.max_body_bytes,
+            inject_session_header=config.inject_session_header,
+            inject_body_conversation_id=config.inject_body_conversation_id,
         )
         self.receiver = OtlpReceiver(self.pipeline, self.metrics)
-        self._proxy_loop: _LoopThread | None = None
+        self._proxy_started = False
         self._admin_loop: _LoopThread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,9 +147,8 @@ class Sidecar:
     def start(self) -> Sidecar:
         try:
             self._open_store()
-            self._proxy_loop = _LoopThread("otelkv-sidecar-proxy")
-            self._proxy_loop.start()
-            self._proxy_loop.call(self._start_proxy())
+            self.proxy.start()
+            self._proxy_started = True
             self._admin_loop = _LoopThread("otelkv-sidecar-admin")
             self._admin_loop.start()
             self._admin_loop.call(
@@ -167,12 +166,16 @@ class Sidecar:
         )
         return self
 
-    async def _start_proxy(self) -> None:
-        assert self._proxy_loop is not None
-        await self.proxy.start()
-        app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.router.add_route("*", "/{tail:.*}", self.proxy.handle)
-        await self._proxy_loop.serve(app, self.config.host, self.config.port)
+    def _accept_turns(self, spans: list[SpanRecord]) -> None:
+        self.pipeline.accept(spans, "sidecar")
+        if self.forwarder is not None:
+            self.forwarder.forward(spans)
+
+    def _proxy_counters(self, counters: dict[str, int]) -> None:
+        if counters.get("upstream_errors"):
+            self.metrics.upstream_errors.inc(counters["upstream_errors"])
+        if counters.get("turns_dropped"):
+            self.metrics.dropped.labels("proxy_channel_full").inc(counters["turns_dropped"])
 
     def _admin_app(self) -> web.Application:
         app = web.Application(
@@ -184,6 +187,9 @@ class Sidecar:
         return app
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        # Counts reflect every response already sent: fetch the proxy's finished turns first.
+        if self._proxy_started:
+            await asyncio.get_running_loop().run_in_executor(None, self.proxy.sync, 2.0)
         if self.writer is not None:
             self.metrics.store_queue.set(self.writer.stats().get("queued", 0))
         return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
@@ -217,20 +223,16 @@ class Sidecar:
         return describe() if callable(describe) else type(self.store).__name__
 
     def stop(self) -> None:
-        if self._proxy_loop is not None:
-            try:
-                self._proxy_loop.call(self.proxy.close(), timeout=10)
-            except Exception:
-                logger.exception("otelkv sidecar: error while closing the upstream session")
-            self._proxy_loop.stop()
-            self._proxy_loop = None
+        try:
+            self.proxy.stop()  # its last turns are recorded before the store closes
+        except Exception:
+            logger.exception("otelkv sidecar: error while stopping the proxy process")
+        self._proxy_started = False
         if self._admin_loop is not None:
             self._admin_loop.stop()
             self._admin_loop = None
-        try:
-            self.provider.shutdown()
-        except Exception:
-            logger.exception("otelkv sidecar: error while shutting the tracer down")
+        if self.forwarder is not None:
+            self.forwarder.shutdown()
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -248,7 +250,7 @@ class Sidecar:
 
     @property
     def url(self) -> str:
-        port = self._proxy_loop.port if self._proxy_loop else self.config.port
+        port = self.proxy.port if self._proxy_started else self.config.port
         return f"http://{self.config.host}:{port}"
 
     @property
@@ -261,18 +263,12 @@ class Sidecar:
         return f"{self.admin_url}/v1/traces"
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Write everything received so far to the store (tests, demo, shutdown)."""
+        """Write everything received so far to the store (tests, demo, shutdown).
+
+        "Received" includes every turn whose response has been sent: the proxy process is
+        asked to hand over its finished turns first.
+        """
+        if self._proxy_started:
+            self.proxy.sync(timeout)
         if self.writer is not None:
             self.writer.flush(timeout)
-
-
-def _maybe_forward(provider: TracerProvider) -> None:
-    """Also send the sidecar's turn spans to a collector when OTEL_EXPORTER_OTLP_* says so."""
-    if not (
-        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    ):
-        return
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))

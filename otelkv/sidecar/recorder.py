@@ -1,0 +1,158 @@
+"""From a finished turn record to the turn span and the turn metrics (main process).
+
+The proxy process hands over a :class:`~otelkv.sidecar.turn_watch.TurnRecord` per turn;
+here it becomes the ``chat {model}`` span (the same span an OpenTelemetry SDK would have
+made: ids chosen by the proxy, start at the request's arrival, end at its last byte) with
+the four-phase split. The gap is split here rather than in the proxy because the agent's
+``execute_tool`` spans, which decide tool wait vs app work, arrive at this process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from otelkv import __version__, names
+from otelkv.analysis.phases import Phases, split_gap, turn_phases
+from otelkv.sidecar.metrics import SidecarMetrics
+from otelkv.sidecar.otlp import SpanRecord
+from otelkv.sidecar.tool_spans import ToolSpanIndex
+from otelkv.sidecar.turn_watch import TurnRecord
+
+logger = logging.getLogger("otelkv.sidecar")
+
+
+class TurnRecorder:
+    def __init__(
+        self,
+        *,
+        metrics: SidecarMetrics,
+        tools: ToolSpanIndex,
+        resource: dict[str, Any],
+        accept: Callable[[list[SpanRecord]], None],
+    ) -> None:
+        self.metrics = metrics
+        self.tools = tools
+        self.resource = resource
+        self.accept = accept
+
+    def record(self, records: list[TurnRecord]) -> None:
+        spans = []
+        for rec in records:
+            try:
+                spans.append(self.turn_span(rec))
+            except Exception:
+                logger.exception("otelkv sidecar: could not build a turn span")
+        if spans:
+            self.accept(spans)
+
+    def gap(self, rec: TurnRecord) -> Any:
+        start = rec.start
+        if start is None or not start.gap_start_ns:
+            return split_gap(0, 0, first_turn=True)
+        conversation_id = rec.identity.conversation_id if rec.identity else ""
+        call_ids = (*start.previous_tool_call_ids, *rec.request.tool_result_call_ids)
+        intervals = self.tools.intervals(
+            start.gap_start_ns, rec.arrival_ns, conversation_id=conversation_id, call_ids=call_ids
+        )
+        return split_gap(
+            start.gap_start_ns,
+            rec.arrival_ns,
+            tool_intervals=intervals,
+            previous_asked_tools=start.previous_asked_tools,
+            tool_results=rec.request.tool_results,
+        )
+
+    def turn_span(self, rec: TurnRecord) -> SpanRecord:
+        facts = rec.response
+        request_s = (rec.end_ns - rec.arrival_ns) / 1e9
+        stream_ttft = None
+        if facts is not None and rec.request.stream and facts.first_token_ns is not None:
+            stream_ttft = (facts.first_token_ns - rec.arrival_ns) / 1e9
+        gap = self.gap(rec)
+        phases: Phases = turn_phases(gap, request_s, stream_ttft_s=stream_ttft)
+        ok = rec.error is None and 200 <= rec.status < 300
+        model = rec.request.model or "unknown"
+        attributes: dict[str, Any] = {
+            names.GEN_AI_OPERATION_NAME: rec.operation,
+            names.GEN_AI_REQUEST_MODEL: rec.request.model,
+            names.GEN_AI_PROVIDER_NAME: names.PROVIDER_VLLM,
+            names.HTTP_ROUTE: rec.path,
+            names.TURN_STREAM: rec.request.stream,
+            names.TURN_MESSAGES: rec.request.messages,
+            names.TURN_TOOL_RESULTS: rec.request.tool_results,
+        }
+        if rec.identity is not None and rec.start is not None:
+            attributes.update(
+                {
+                    names.GEN_AI_CONVERSATION_ID: rec.identity.conversation_id,
+                    names.CONVERSATION_ID_SOURCE: rec.identity.source,
+                    names.CONVERSATION_INFERRED: rec.identity.inferred,
+                    names.TURN_INDEX: rec.start.index,
+                    names.TURN_PREVIOUS_TRACE_ID: rec.start.previous_trace_id,
+                }
+            )
+        attributes.update(
+            {
+                names.HTTP_STATUS: rec.status,
+                names.TURN_GAP_SECONDS: gap.tool_wait_s + gap.app_work_s,
+                names.TURN_GAP_SOURCE: gap.source,
+                names.TURN_TOOL_WAIT_SECONDS: phases.tool_wait_s,
+                names.TURN_APP_WORK_SECONDS: phases.app_work_s,
+                names.TURN_INPUT_PROCESSING_SECONDS: phases.input_processing_s,
+                names.TURN_GENERATION_SECONDS: phases.generation_s,
+                names.TURN_TOTAL_SECONDS: phases.total_s,
+                names.TURN_TTFT_SOURCE: phases.ttft_source,
+            }
+        )
+        if facts is not None:
+            if facts.model:
+                attributes[names.GEN_AI_RESPONSE_MODEL] = facts.model
+            if facts.response_id:
+                attributes[names.GEN_AI_RESPONSE_ID] = facts.response_id
+            if facts.prompt_tokens is not None:
+                attributes[names.GEN_AI_USAGE_INPUT_TOKENS] = facts.prompt_tokens
+            if facts.completion_tokens is not None:
+                attributes[names.GEN_AI_USAGE_OUTPUT_TOKENS] = facts.completion_tokens
+            if facts.cached_tokens is not None:
+                attributes[names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = facts.cached_tokens
+            if facts.finish_reasons:
+                attributes[names.GEN_AI_RESPONSE_FINISH_REASONS] = list(facts.finish_reasons[:16])
+            attributes[names.TURN_RESPONSE_KV_PARAMS] = facts.kv_transfer_params
+            attributes[names.TURN_ASKED_TOOLS] = facts.asked_tools
+            if stream_ttft is not None:
+                attributes[names.TURN_TTFT_SECONDS] = stream_ttft
+            if facts.last_token_ns is not None:
+                attributes[names.TURN_LAST_TOKEN_SECONDS] = (facts.last_token_ns - rec.arrival_ns) / 1e9
+        status_code, status_message = "Unset", ""
+        if not ok:
+            status_code = "Error"
+            status_message = rec.error or f"upstream returned {rec.status}"
+            attributes[names.ERROR_TYPE] = (
+                "client_disconnected" if rec.error == "client disconnected" else str(rec.status or "upstream")
+            )
+        self.metrics.observe_turn(
+            model=model,
+            phases=phases,
+            ttft_s=stream_ttft,
+            turn_index=rec.start.index if rec.start else 0,
+            ok=ok,
+            stream=rec.request.stream,
+        )
+        return SpanRecord(
+            trace_id=rec.trace_id,
+            span_id=rec.span_id,
+            parent_span_id=rec.parent.span_id if rec.parent else "",
+            name=names.SPAN_AGENT_TURN.format(model=model),
+            kind="Server",
+            start_ns=rec.arrival_ns,
+            end_ns=rec.end_ns,
+            attributes=attributes,
+            resource=self.resource,
+            scope_name=names.SCOPE_SIDECAR,
+            scope_version=__version__,
+            status_code=status_code,
+            status_message=status_message,
+            trace_state=rec.parent.trace_state if rec.parent else "",
+        )

@@ -1,0 +1,212 @@
+"""Turning proxied completion requests into turn records (the proxy process's side).
+
+The proxy process does only what must happen on the request path: it identifies the
+conversation, allocates the turn's trace and span ids (so ``traceparent`` can go
+upstream before the upstream is asked), tracks turn order per conversation, and watches
+the response bytes for first/last token, usage and finish reasons. Everything else -
+phases, span attributes, metrics, the store - is done from the finished
+:class:`TurnRecord` in the sidecar's main process (``recorder.py``), off the request path.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from otelkv.sidecar.conversations import ConversationTracker, TurnStart
+from otelkv.sidecar.identity import ConversationIdentity, identify
+from otelkv.sidecar.relay import LowerHeaders, Request, header_dict
+from otelkv.sidecar.response import RequestFacts, ResponseFacts, ResponseObserver, request_facts
+
+OBSERVED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
+
+
+@dataclass(frozen=True)
+class Parent:
+    trace_id: str
+    span_id: str
+    trace_state: str
+
+
+def parse_traceparent(value: str | None, tracestate: str | None) -> Parent | None:
+    """The client's W3C trace context, or None when absent or invalid (W3C rules)."""
+    if not value:
+        return None
+    match = _TRACEPARENT.match(value.strip().lower())
+    if match is None:
+        return None
+    version, trace_id, span_id, _flags, rest = match.groups()
+    if version == "ff" or (version == "00" and rest) or trace_id == _ZERO_TRACE or span_id == _ZERO_SPAN:
+        return None
+    return Parent(trace_id, span_id, (tracestate or "").strip()[:512])
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One finished turn as the proxy saw it; pickled to the main process."""
+
+    trace_id: str
+    span_id: str
+    parent: Parent | None
+    operation: str
+    path: str
+    arrival_ns: int
+    end_ns: int
+    status: int
+    error: str | None
+    request: RequestFacts
+    identity: ConversationIdentity | None
+    start: TurnStart | None
+    response: ResponseFacts | None
+
+
+class _Turn:
+    """One observed exchange (the relay's :class:`~otelkv.sidecar.relay.Exchange`)."""
+
+    __slots__ = (
+        "arrival_ns",
+        "emit",
+        "identity",
+        "observer",
+        "operation",
+        "parent",
+        "path",
+        "request",
+        "span_id",
+        "start",
+        "trace_id",
+        "tracker",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self.observer: ResponseObserver | None = None
+
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        ctype, encoding = b"", b""
+        for key, value in headers:
+            lower = key.lower()
+            if lower == b"content-type":
+                ctype = value
+            elif lower == b"content-encoding":
+                encoding = value
+        if not encoding.strip():  # compressed bodies are forwarded but not read
+            self.observer = ResponseObserver(streaming=ctype.lower().startswith(b"text/event-stream"))
+
+    def response_body(self, data: bytes) -> None:
+        if self.observer is not None:
+            self.observer.feed(data, time.time_ns())
+
+    def finish(self, status: int, error: str | None) -> None:
+        end_ns = time.time_ns()
+        facts = self.observer.finish(end_ns) if self.observer is not None else None
+        if self.identity is not None and self.start is not None:
+            self.tracker.end(
+                self.identity.conversation_id,
+                trace_id=self.trace_id,
+                end_ns=end_ns,
+                asked_tools=bool(facts and facts.asked_tools),
+                tool_call_ids=tuple(facts.tool_call_ids[:32]) if facts else (),
+            )
+        self.emit(
+            TurnRecord(
+                trace_id=self.trace_id,
+                span_id=self.span_id,
+                parent=self.parent,
+                operation=self.operation,
+                path=self.path,
+                arrival_ns=self.arrival_ns,
+                end_ns=end_ns,
+                status=status,
+                error=error,
+                request=self.request,
+                identity=self.identity,
+                start=self.start,
+                response=facts,
+            )
+        )
+
+
+class TurnWatcher:
+    """The relay's observer: a :class:`_Turn` for each completion request, None otherwise."""
+
+    def __init__(
+        self,
+        emit: Callable[[TurnRecord], None],
+        *,
+        tracker: ConversationTracker | None = None,
+        inject_session_header: bool = True,
+        inject_body_conversation_id: bool = False,
+    ) -> None:
+        self.emit = emit
+        self.tracker = tracker or ConversationTracker()
+        self.inject_session_header = inject_session_header
+        self.inject_body_conversation_id = inject_body_conversation_id
+        self._rand = random.Random()
+
+    def _new_id(self, bits: int) -> str:
+        value = 0
+        while value == 0:
+            value = self._rand.getrandbits(bits)
+        return format(value, f"0{bits // 4}x")
+
+    def begin(self, req: Request) -> tuple[_Turn | None, list[tuple[bytes, bytes | None]], bytes]:
+        body = req.body
+        if req.method != b"POST":
+            return None, [], body
+        path = req.path
+        operation = OBSERVED_PATHS.get(path)
+        if operation is None:
+            return None, [], body
+        arrival_ns = time.time_ns()
+        parsed: dict[str, Any] | None = None
+        try:
+            value = json.loads(body) if body else None
+            parsed = value if isinstance(value, dict) else None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            parsed = None  # forwarded untouched; the upstream answers it
+        headers = LowerHeaders(header_dict(req.headers))
+        identity = identify(headers, parsed)
+        parent = parse_traceparent(headers.get("traceparent"), headers.get("tracestate"))
+        trace_id = parent.trace_id if parent else self._new_id(128)
+        span_id = self._new_id(64)
+        start = self.tracker.begin(identity.conversation_id) if identity is not None else None
+        # Downstream sees the turn span as its parent (replacing the client's traceparent,
+        # which is this span's parent), and the conversation id vLLM puts on session_id.
+        extra: list[tuple[bytes, bytes | None]] = [
+            (b"traceparent", f"00-{trace_id}-{span_id}-01".encode()),
+            (
+                b"tracestate",
+                parent.trace_state.encode("latin-1", "replace") if parent and parent.trace_state else None,
+            ),
+        ]
+        if identity is not None:
+            if self.inject_session_header and "x-session-id" not in headers:
+                extra.append((b"X-Session-ID", identity.conversation_id.encode("utf-8")))
+            if self.inject_body_conversation_id and parsed is not None and "conversation_id" not in parsed:
+                body = json.dumps({**parsed, "conversation_id": identity.conversation_id}).encode()
+                extra.append((b"Content-Type", b"application/json"))
+        turn = _Turn(
+            arrival_ns=arrival_ns,
+            emit=self.emit,
+            identity=identity,
+            operation=operation,
+            parent=parent,
+            path=path,
+            request=request_facts(parsed),
+            span_id=span_id,
+            start=start,
+            tracker=self.tracker,
+            trace_id=trace_id,
+        )
+        return turn, extra, body
