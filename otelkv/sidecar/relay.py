@@ -270,6 +270,10 @@ class UpstreamPool:
 
     def release(self, conn: _Upstream) -> None:
         conn.idle_since = time.monotonic()
+        # It may have been paused for a slow client as its response ended: an idle connection
+        # reads (to notice the upstream closing it), and the next response must be read.
+        if conn.transport is not None and not conn.transport.is_reading():
+            conn.transport.resume_reading()
         self._idle.append(conn)
 
     def forget(self, conn: _Upstream) -> None:
@@ -299,7 +303,9 @@ class _Client(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._paused_upstream = False
+        self._writing_paused = False  # the client transport is over its high-water mark
+        self._refusal: bytes | None = None  # an error response owed after the pending ones
+        self._continue_due = False  # a 100 Continue owed once the pending responses are sent
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -308,7 +314,7 @@ class _Client(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:
+        if self.closing or self._refusal is not None:
             return
         try:
             self.parser.feed_data(data)
@@ -329,14 +335,16 @@ class _Client(asyncio.Protocol):
             self._end_exchange(0, "client disconnected")
 
     def pause_writing(self) -> None:  # the client reads slower than the upstream sends
+        # Kept as state: the transport reports crossing the mark once, and the exchange that
+        # crossed it may end before the client catches up; the next upstream starts paused.
+        self._writing_paused = True
         if self.upstream is not None and self.upstream.transport is not None:
             self.upstream.transport.pause_reading()
-            self._paused_upstream = True
 
     def resume_writing(self) -> None:
-        if self._paused_upstream and self.upstream is not None and self.upstream.transport is not None:
+        self._writing_paused = False
+        if self.upstream is not None and self.upstream.transport is not None:
             self.upstream.transport.resume_reading()
-        self._paused_upstream = False
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -356,16 +364,24 @@ class _Client(asyncio.Protocol):
         req.method = self.parser.get_method()
         req.version = self.parser.get_http_version()
         req.keep_alive = self.parser.should_keep_alive()
+        # Upgrade and CONNECT are refused here: the parser completes such a message (which
+        # would forward it) before it raises HttpParserUpgrade.
+        if self.parser.should_upgrade():
+            self._refuse(501, "Not Implemented", "protocol upgrades are not proxied by otelkv")
+            return
         length = req.header(b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.relay.max_body_bytes:
             self._too_large()
             return
         expect = req.header(b"expect")
-        if expect is not None and expect.lower() == b"100-continue" and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if expect is not None and expect.lower() == b"100-continue":
+            if self.current is None:
+                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:  # a pipelined request: not in the middle of the response being relayed
+                self._continue_due = True
 
     def on_body(self, body: bytes) -> None:
-        if self.closing:
+        if self.closing or self._refusal is not None:
             return
         self._body_len += len(body)
         if self._body_len > self.relay.max_body_bytes:
@@ -374,8 +390,9 @@ class _Client(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.closing:
+        if self.closing or self._refusal is not None:
             return
+        self._continue_due = False  # the body came without it
         self._req.body = b"".join(self._body)
         self._body = []
         self.queue.append(self._req)
@@ -430,6 +447,8 @@ class _Client(asyncio.Protocol):
     def _send(self, conn: _Upstream, head: bytes, body: bytes, req: Request) -> None:
         self.upstream = conn
         conn.send(self, head, body, head_request=req.method == b"HEAD")
+        if self._writing_paused and conn.transport is not None:
+            conn.transport.pause_reading()
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closing:
@@ -452,12 +471,7 @@ class _Client(asyncio.Protocol):
         if not keep_client or req is None or not req.keep_alive:
             self._close()
             return
-        if self._paused_upstream:
-            self._paused_upstream = False
-        if self.queue:
-            self._next()
-        else:
-            self._arm_idle()
+        self._advance()
 
     def exchange_failed(self, error: str, *, nothing_sent: bool, status: int) -> None:
         self.upstream = None
@@ -477,9 +491,20 @@ class _Client(asyncio.Protocol):
         self._end_exchange(status, error)
         if not keep:
             self._close()
-        elif self.queue:
-            self._next()
         else:
+            self._advance()
+
+    def _advance(self) -> None:
+        """After a response: the next request, else an error owed, else a 100 owed, else idle."""
+        if self.queue:
+            self._next()
+        elif self._refusal is not None:
+            self.write(self._refusal)
+            self._close()
+        else:
+            if self._continue_due:
+                self._continue_due = False
+                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self._arm_idle()
 
     def _end_exchange(self, status: int, error: str | None) -> None:
@@ -495,11 +520,14 @@ class _Client(asyncio.Protocol):
         self._refuse(413, "Payload Too Large", f"request body over {self.relay.max_body_bytes} bytes")
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
-        if self.current is None:  # else the pending response comes first; just close after it
-            self.write(_error_response(status, reason, message, close=True))
+        if self.closing or self._refusal is not None:
+            return
+        response = _error_response(status, reason, message, close=True)
+        if self.current is None:
+            self.write(response)
             self._close()
-        else:
-            self.closing = True
+        else:  # the responses still due come first, then this one and the close
+            self._refusal = response
 
     def _arm_idle(self) -> None:
         if self._idle_timer is not None:
@@ -533,7 +561,8 @@ class Relay:
         self.host = parts.hostname
         self.port = parts.port or 80
         default_port = parts.port in (None, 80)
-        self._host_header = (self.host if default_port else f"{self.host}:{self.port}").encode("idna")
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        self._host_header = (host if default_port else f"{host}:{self.port}").encode("idna")
         self.observer = observer
         self.max_body_bytes = max_body_bytes
         self.counters = counters if counters is not None else {}
