@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -143,8 +144,9 @@ class _Upstream(asyncio.Protocol):
         try:
             assert self.parser is not None
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(f"unparsable upstream response: {exc}")
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            # (101 Switching Protocols cannot happen for requests sent without Upgrade.)
+            self._fail(f"unparsable upstream response: {exc!r}")
             return
         if self._complete:
             self._done()
@@ -245,10 +247,12 @@ class _Upstream(asyncio.Protocol):
 class UpstreamPool:
     """Idle upstream connections, most recently used first."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, *, tls: bool = False) -> None:
         self.loop = loop
         self.host = host
         self.port = port
+        # https upstreams: verified with the system's CA store (SSL_CERT_FILE applies).
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if tls else None
         self._idle: deque[_Upstream] = deque()
 
     def take(self) -> _Upstream | None:
@@ -263,7 +267,7 @@ class UpstreamPool:
 
     async def connect(self) -> _Upstream:
         _, conn = await asyncio.wait_for(
-            self.loop.create_connection(lambda: _Upstream(self), self.host, self.port),
+            self.loop.create_connection(lambda: _Upstream(self), self.host, self.port, ssl=self.ssl),
             CONNECT_TIMEOUT_S,
         )
         return conn
@@ -329,10 +333,12 @@ class _Client(asyncio.Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         upstream, self.upstream = self.upstream, None
+        status = 0
         if upstream is not None:
+            status = upstream._status  # what the upstream answered, if it had
             upstream.detach()
         if self.current is not None:
-            self._end_exchange(0, "client disconnected")
+            self._end_exchange(status, "client disconnected")
 
     def pause_writing(self) -> None:  # the client reads slower than the upstream sends
         # Kept as state: the transport reports crossing the mark once, and the exchange that
@@ -374,7 +380,7 @@ class _Client(asyncio.Protocol):
             self._too_large()
             return
         expect = req.header(b"expect")
-        if expect is not None and expect.lower() == b"100-continue":
+        if expect is not None and expect.lower() == b"100-continue" and req.version != "1.0":
             if self.current is None:
                 self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             else:  # a pipelined request: not in the middle of the response being relayed
@@ -553,14 +559,15 @@ class Relay:
         on_count: Callable[[], None] | None = None,
     ) -> None:
         parts = urlsplit(upstream)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"upstream must be an http://host:port URL, got {upstream!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"upstream must be an http(s)://host[:port] URL, got {upstream!r}")
         if parts.path not in ("", "/"):
             raise ValueError(f"upstream URL must not have a path, got {upstream!r}")
         self.upstream_url = upstream.rstrip("/")
         self.host = parts.hostname
-        self.port = parts.port or 80
-        default_port = parts.port in (None, 80)
+        tls = parts.scheme == "https"
+        self.port = parts.port or (443 if tls else 80)
+        default_port = parts.port in (None, 443 if tls else 80)
         host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
         self._host_header = (host if default_port else f"{host}:{self.port}").encode("idna")
         self.observer = observer
@@ -568,7 +575,7 @@ class Relay:
         self.counters = counters if counters is not None else {}
         self.on_count = on_count
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
-        self.pool = UpstreamPool(self.loop, self.host, self.port)
+        self.pool = UpstreamPool(self.loop, self.host, self.port, tls=tls)
         self.clients: set[_Client] = set()
         self.server: asyncio.AbstractServer | None = None
 

@@ -11,6 +11,7 @@ phases, span attributes, metrics, the store - is done from the finished
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import time
@@ -22,6 +23,8 @@ from otelkv.sidecar.conversations import ConversationTracker, TurnStart
 from otelkv.sidecar.identity import ConversationIdentity, identify
 from otelkv.sidecar.relay import LowerHeaders, Request, header_dict
 from otelkv.sidecar.response import RequestFacts, ResponseFacts, ResponseObserver, request_facts
+
+logger = logging.getLogger("otelkv.sidecar")
 
 OBSERVED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 
@@ -93,6 +96,12 @@ class _Turn:
         self.observer: ResponseObserver | None = None
 
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        try:
+            self._response_head(headers)
+        except Exception:  # the turn is still recorded, without response facts
+            logger.exception("otelkv sidecar: could not read a response head")
+
+    def _response_head(self, headers: list[tuple[bytes, bytes]]) -> None:
         ctype, encoding = b"", b""
         for key, value in headers:
             lower = key.lower()
@@ -105,11 +114,20 @@ class _Turn:
 
     def response_body(self, data: bytes) -> None:
         if self.observer is not None:
-            self.observer.feed(data, time.time_ns())
+            try:
+                self.observer.feed(data, time.time_ns())
+            except Exception:
+                logger.exception("otelkv sidecar: response observer failed; forwarding only")
+                self.observer = None
 
     def finish(self, status: int, error: str | None) -> None:
         end_ns = time.time_ns()
-        facts = self.observer.finish(end_ns) if self.observer is not None else None
+        facts = None
+        if self.observer is not None:
+            try:
+                facts = self.observer.finish(end_ns)
+            except Exception:
+                logger.exception("otelkv sidecar: response observer failed")
         if self.identity is not None and self.start is not None:
             self.tracker.end(
                 self.identity.conversation_id,

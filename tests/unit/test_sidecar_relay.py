@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import pathlib
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
@@ -557,11 +560,57 @@ def test_ipv6_upstream_host_header_is_bracketed() -> None:
     assert host_line("http://127.0.0.1:8000") == b"Host: 127.0.0.1:8000"
 
 
-def test_upstream_url_must_be_plain_http() -> None:
-    """Only ``http://host[:port]`` is accepted: no TLS, no path prefix (neither is relayed)."""
-    for bad in ("https://h:1", "http://h:1/v1", "h:1", "http://:1"):
+def test_upstream_url_must_be_http_or_https_without_a_path() -> None:
+    """``http(s)://host[:port]`` only: a path prefix would not be relayed, so it is refused."""
+    for bad in ("ftp://h:1", "http://h:1/v1", "h:1", "http://:1"):
         with pytest.raises(ValueError):
             Relay(bad)
+    assert Relay("https://h").port == 443 and Relay("http://h").port == 80
+
+
+def test_https_upstream_is_verified_and_relayed(
+    run: Run, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An https upstream is reached over TLS, its certificate checked against the CA store
+    (here ``SSL_CERT_FILE`` names a self-signed one), and the client still gets plain bytes."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"),
+            *("-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    response = ok(b"over tls")
+
+    async def scenario() -> None:
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ctx.load_cert_chain(cert, key)
+        upstream = Upstream(replies(lambda _: response))
+        upstream.server = await asyncio.start_server(upstream._serve, "127.0.0.1", 0, ssl=server_ctx)
+        port = upstream.server.sockets[0].getsockname()[1]
+        relay = Relay(f"https://localhost:{port}")
+        relay_port = await relay.start("127.0.0.1", 0)
+        try:
+            client = await Client.connect(relay_port)
+            await client.send(get("/tls"))
+            assert await client.exactly(len(response)) == response
+            assert upstream.received[0].head.startswith(b"GET /tls HTTP/1.1\r\nHost: localhost:")
+            monkeypatch.delenv("SSL_CERT_FILE")  # the system store does not know this cert
+            untrusting = Relay(f"https://localhost:{port}")
+            other = await Client.connect(await untrusting.start("127.0.0.1", 0))
+            await other.send(get("/tls"))
+            status, _, body = await other.response()
+            assert status == 502 and "SSL" in error_json(body)["message"]
+            untrusting.close()
+        finally:
+            relay.close()
+            await upstream.close()
+
+    run(scenario)
 
 
 # ------------------------------------------------------------------ 3. keep-alive
