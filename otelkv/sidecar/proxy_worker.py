@@ -4,7 +4,7 @@ Why a process of its own: the main sidecar process builds spans, keeps metrics, 
 OTLP exports and writes the store, and chDB and pyarrow hold the GIL for 8-19 ms per
 batch. In one process that showed up directly as the proxy's p99 added latency. Here the
 request path shares its interpreter with nothing heavier than the turn bookkeeping, and
-finished turns leave through a socketpair, batched once per event-loop pass. If the main
+finished turns leave through a socketpair in batches (every 5 ms at most). If the main
 process falls behind, turns are dropped (counted), never queued without bound.
 
 Started by :class:`otelkv.sidecar.proxy_process.ProxyProcess`; exits when its channel
@@ -29,6 +29,10 @@ logger = logging.getLogger("otelkv.sidecar")
 
 MAX_CHANNEL_BACKLOG_BYTES = 16 * 1024 * 1024
 """Unsent turn bytes beyond which new turns are dropped (the main process is stuck)."""
+FLUSH_INTERVAL_S = 0.005
+FLUSH_RECORDS = 256
+"""Turns leave in batches, at most this late or this many at once: every write on the channel
+is a system call in the proxy and a wake-up of the main process's reader."""
 
 
 class _Channel(asyncio.Protocol):
@@ -101,12 +105,15 @@ class Worker:
 
     def emit(self, record: TurnRecord) -> None:
         self.pending.append(record)
-        self._schedule_flush()
+        if len(self.pending) >= FLUSH_RECORDS:
+            self._flush()
+        else:
+            self._schedule_flush()
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            self.loop.call_later(FLUSH_INTERVAL_S, self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
