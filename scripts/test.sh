@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+scripts/system-tools.sh
 VENV=${OTELKV_VENV:-.venv}
 "$VENV/bin/ruff" check otelkv tests bench
 export OTELKV_REQUIRE_FLEET_TESTS=1
