@@ -205,9 +205,13 @@ def open_local(*, path: str | None = None, clickhouse_url: str | None = None) ->
     try:
         from otelkv.store import open_store
 
-        store = open_store(clickhouse_url=clickhouse_url) if clickhouse_url else open_store(path=path)
+        store = (
+            open_store(clickhouse_url=clickhouse_url, create_schema=False)
+            if clickhouse_url
+            else open_store(path=path)
+        )
     except ImportError as exc:
-        raise QueryError(f"cannot open the store here ({exc}); install otelkv with its store extra") from None
+        raise QueryError(f"cannot open the store here ({exc}); pip install 'otelkv[sidecar]'") from None
     except Exception as exc:  # noqa: BLE001 - any open failure is reported as one line
         if _is_lock_error(exc):
             raise QueryError(

@@ -33,17 +33,24 @@ def open_store(
     clickhouse_url: str | None = None,
     retention_days: int = 7,
     database: str = DEFAULT_DATABASE,
+    create_schema: bool = True,
 ) -> TraceStore:
-    """A ClickHouse HTTP store when ``clickhouse_url`` is given, else chDB at ``path``."""
+    """A ClickHouse HTTP store when ``clickhouse_url`` is given, else chDB at ``path``.
+
+    ``create_schema=False`` is for readers of a fleet's ClickHouse: the collector's exporter
+    owns the tables there, and a read-only user may not run CREATE.
+    """
     if clickhouse_url:
-        return ClickHouseHttpStore(clickhouse_url, database=database, retention_days=retention_days)
+        return ClickHouseHttpStore(
+            clickhouse_url, database=database, retention_days=retention_days, create_schema=create_schema
+        )
     if path is None:
         raise StoreError("no trace store given: pass a directory (chDB) or a ClickHouse URL")
     try:
         import chdb  # noqa: F401
     except ImportError:
         raise StoreError(
-            "the embedded trace store needs chDB, which is not installed: pip install 'otelkv[store]'"
+            "the embedded trace store needs chDB, which is not installed: pip install 'otelkv[sidecar]'"
         ) from None
     from otelkv.store.chdb_store import ChdbStore
 

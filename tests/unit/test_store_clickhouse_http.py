@@ -66,6 +66,15 @@ def test_schema_created_on_open(fake: tuple[Fake, str]) -> None:
     assert "otel_traces_trace_id_ts_mv" in bodies[3]
 
 
+def test_query_commands_open_a_fleet_clickhouse_without_ddl(fake: tuple[Fake, str]) -> None:
+    """The CLI reads a collector-fed ClickHouse: it must not need CREATE rights there."""
+    from otelkv.cli.source import open_local
+
+    state, url = fake
+    open_local(clickhouse_url=url)
+    assert not any("CREATE" in r["body"] for r in state.requests)
+
+
 def test_query_uses_server_side_parameters_and_auth(fake: tuple[Fake, str], monkeypatch: Any) -> None:
     state, url = fake
     monkeypatch.setenv("CLICKHOUSE_PASSWORD", "env-pw")
