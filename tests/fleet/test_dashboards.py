@@ -1,0 +1,406 @@
+"""The dashboards against a real run: every query returns data from a real fleet.
+
+One fleet (decoder_kv_blocks_ttl=10 s, a router that forwards handles of any age, the
+sidecar in front) runs agent conversations chosen so that every panel has something to
+show: streamed turns that pull the previous turn's KV (TTFT by turn index, D->P
+transfers), tool waits measured from agent spans and from messages, a conversation without
+id, turns below the recompute threshold, and a tool wait longer than the TTL whose next
+turn vLLM fails (declined_expired, failed_kv_load, an expired retention, an error turn).
+
+A real Prometheus (Debian's ``/usr/bin/prometheus``, 1 s scrapes, its own temporary
+storage) scrapes both engines' ``/metrics`` and the sidecar's admin ``/metrics`` during the
+run. Then every PromQL expression of every dashboard, with Grafana's variables substituted
+("All" and the run's actual model and engines), must return a non-empty result over the
+run's window, every variable query must offer values, every ClickHouse SQL panel must
+return rows from the run's own chDB store, and every TraceQL query, with the run's
+conversation ids filled in, must parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+pytest.importorskip(
+    "grafana_foundation_sdk", reason="needs the dashboards extra: pip install 'otelkv[dashboards]'"
+)
+
+from otelkv import names
+from otelkv.dashboards import build, expand, inventory
+from otelkv.dashboards import promql as q
+from otelkv.dashboards.frame import CONVERSATION_VAR
+from otelkv.fleet import metrics as prom_text
+from otelkv.fleet.agent import Conversation, Turn, TurnResult
+from otelkv.fleet.engines import free_port
+from otelkv.fleet.fleet import Fleet, FleetConfig
+from tests.fleet.conftest import fleet_fixture
+from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
+from tests.unit.dashboards_tools import require_tool, traceql_parse
+
+pytestmark = pytest.mark.fleet
+
+TTL_S = 10.0
+SCRAPE_S = 1.0
+MODEL = "tiny-llama"
+
+REUSE = Conversation(
+    "dash-reuse",
+    [
+        Turn("find the flaky test in the nightly build log", 80),
+        Turn("test_cache times out after thirty seconds", 80, pause_s=1.0, tool="read_log"),
+        Turn("now propose a fix", 64, pause_s=0.8),
+        Turn("the fix passes locally", 48, pause_s=0.6, tool="run_tests"),
+    ],
+    stream=True,
+)
+LAPSE = Conversation(
+    "dash-lapse",
+    [Turn("plan the release of version two", 80), Turn("ci is green", 32, pause_s=TTL_S + 1.5, tool="ci")],
+)
+ANONYMOUS = Conversation(
+    "dash-anonymous",
+    [Turn("list the open pull requests", 64), Turn("three are open", 48, pause_s=0.6, tool="github")],
+    send_conversation_id=False,
+    stream=True,
+)
+SHORT = Conversation("dash-short", [Turn("yes or no", 8), Turn("why", 8, pause_s=0.5)])
+TAIL = Conversation("dash-tail", [Turn("one more question after the lapse", 16)])
+"""Sent after the lapse: vLLM frees expired blocks on the decode node's next step, so the
+expired retention ends (span, counter, gauge) only once decode runs again."""
+
+
+class Prometheus:
+    """A real Prometheus server on a random port, scraping the given targets every second."""
+
+    def __init__(self, binary: str, jobs: dict[str, list[str]], workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = {
+            "global": {"scrape_interval": f"{SCRAPE_S:g}s", "scrape_timeout": f"{SCRAPE_S:g}s"},
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log = (workdir / "prometheus.log").open("w")
+        self.process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.expected_targets = sum(len(t) for t in jobs.values())
+
+    def get(self, path: str, **params: Any) -> Any:
+        url = f"{self.url}{path}?{urllib.parse.urlencode(params, doseq=True)}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as resp:
+                body = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # Prometheus says why in the body (bad_data, ...)
+            raise AssertionError(f"prometheus {path} {params}: {exc.code} {exc.read().decode()}") from None
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def wait_up(self, timeout_s: float = 60.0) -> None:
+        """Until every target has been scraped successfully (the first scrape takes ~5 s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.process.poll() is None, "prometheus exited; see prometheus.log"
+            try:
+                targets = self.get("/api/v1/targets")["activeTargets"]
+                if len(targets) == self.expected_targets and all(t["health"] == "up" for t in targets):
+                    return
+            except OSError:
+                targets = []
+            if time.monotonic() > deadline:
+                raise AssertionError(f"prometheus targets not up: {targets}")
+            time.sleep(0.3)
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        return self.get("/api/v1/query_range", query=expr, start=start, end=end, step=step)["result"]
+
+    def query(self, expr: str, at: float) -> list[dict[str, Any]]:
+        return self.get("/api/v1/query", query=expr, time=at)["result"]
+
+    def label_values(self, label: str, match: str | None, start: float, end: float) -> list[str]:
+        params: dict[str, Any] = {"start": start, "end": end}
+        if match:
+            params["match[]"] = [match]
+        return self.get(f"/api/v1/label/{label}/values", **params)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=5)
+        self.log.close()
+
+
+@dataclass
+class Run:
+    start: float
+    end: float
+    results: dict[str, list[TurnResult]]
+    instances: list[str]
+
+
+@pytest.fixture(scope="module")
+def prometheus_binary() -> str:
+    # Checked before the fleet starts: no point spending a minute on engines without it.
+    require_tool("node")
+    return require_tool("prometheus")
+
+
+@pytest.fixture(scope="module")
+def fleet(prometheus_binary: str, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    config = FleetConfig(decoder_ttl_s=TTL_S, router_handle_ttl_s=None, sidecar=True)
+    yield from fleet_fixture(config, request)
+
+
+@pytest.fixture(scope="module")
+def prometheus(fleet: Fleet, prometheus_binary: str) -> Iterator[Prometheus]:
+    assert fleet.prefill is not None and fleet.decode is not None and fleet.sidecar is not None
+    engines = [fleet.prefill.url, fleet.decode.url]
+    jobs = {
+        "vllm": [u.removeprefix("http://") for u in engines],
+        "otelkv-sidecar": [str(fleet.sidecar.admin_url).removeprefix("http://")],
+    }
+    with tempfile.TemporaryDirectory(prefix="otelkv-prom-") as tmp:
+        server = Prometheus(prometheus_binary, jobs, Path(tmp))
+        try:
+            server.wait_up()
+            yield server
+        finally:
+            server.stop()
+
+
+def _sidecar_turns(fleet: Fleet) -> float:
+    assert fleet.sidecar is not None
+    with urllib.request.urlopen(f"{fleet.sidecar.admin_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return prom_text.total(text, q.counter(names.METRIC_TURNS))
+
+
+@pytest.fixture(scope="module")
+def run(fleet: Fleet, prometheus: Prometheus) -> Run:
+    traced, untraced = fleet.driver(), fleet.driver(traced=False)
+    start = time.time() - 2.0
+
+    async def main() -> list[list[TurnResult]]:
+        async with aiohttp.ClientSession() as session:
+            runs = list(
+                await asyncio.gather(
+                    traced.run(REUSE, session),
+                    traced.run(LAPSE, session),
+                    untraced.run(ANONYMOUS, session),
+                    traced.run(SHORT, session),
+                )
+            )
+            runs.append(await traced.run(TAIL, session))
+            return runs
+
+    runs = asyncio.run(main())
+    conversations = [REUSE, LAPSE, ANONYMOUS, SHORT, TAIL]
+    results = {c.conversation_id: r for c, r in zip(conversations, runs, strict=True)}
+    for conversation, turns in results.items():
+        if conversation != LAPSE.conversation_id:
+            assert all(t.ok for t in turns), (conversation, [(t.status, t.error) for t in turns])
+    lapse = results[LAPSE.conversation_id]
+    assert [t.status for t in lapse] == [200, 500], "the turn after the TTL should fail (declined_expired)"
+
+    # Every span in: the expired retention of the lapse's first turn ends at the tail's step.
+    assert fleet.sink is not None
+    decode = engine_request(wait_for_turn(fleet.sink, lapse[0].trace_id), names.ROLE_DECODE)
+    spans = in_trace(
+        fleet.sink.wait_for(lambda s: bool(children(s, decode, "kv_retention")), timeout=30),
+        lapse[0].trace_id,
+    )
+    (retention,) = children(spans, decode, "kv_retention")
+    assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_EXPIRED
+    for turns in results.values():
+        for turn in turns:
+            wait_for_turn(fleet.sink, turn.trace_id, decode=turn.ok)
+    fleet.flush_store()
+
+    # Prometheus has scraped the final counts (the sidecar's turn counter is the last to move).
+    turns_total = _sidecar_turns(fleet)
+    expired = q.sel(q.counter(names.METRIC_RETENTIONS), (), q.eq(q.OUTCOME, names.RETENTION_EXPIRED))
+    deadline = time.monotonic() + 20
+    while True:
+        now = time.time()
+        scraped = prometheus.query(f"sum({q.counter(names.METRIC_TURNS)})", now)
+        if scraped and float(scraped[0]["value"][1]) == turns_total and prometheus.query(expired, now):
+            break
+        assert time.monotonic() < deadline, f"prometheus did not catch up: {scraped}"
+        time.sleep(0.5)
+    end = time.time() + SCRAPE_S
+    time.sleep(SCRAPE_S)
+    instances = prometheus.label_values(q.INSTANCE, 'up{job="vllm"}', start, end)
+    assert len(instances) == 2, instances
+    return Run(start=start, end=end, results=results, instances=sorted(instances))
+
+
+def _boards() -> dict[str, dict[str, Any]]:
+    return build.load()
+
+
+def _contexts(run: Run, *, conversation: str = REUSE.conversation_id) -> list[tuple[str, expand.Context]]:
+    """The dashboards as a user would open them on this run: "All", then the actual values."""
+    start = datetime.fromtimestamp(run.start, timezone.utc)
+    end = datetime.fromtimestamp(run.end, timezone.utc)
+    common = {
+        "start": start,
+        "end": end,
+        "interval_s": SCRAPE_S,
+        "scrape_interval_s": SCRAPE_S,
+    }
+    everything = {
+        q.MODEL_VAR: expand.Variable(expand.ALL, options=[MODEL], all_value=".*"),
+        q.ENGINE_VAR: expand.Variable(expand.ALL, options=run.instances, all_value=".*"),
+        CONVERSATION_VAR: expand.Variable(conversation),
+    }
+    chosen = {
+        q.MODEL_VAR: expand.Variable([MODEL]),
+        q.ENGINE_VAR: expand.Variable(run.instances),
+        CONVERSATION_VAR: expand.Variable(conversation),
+    }
+    return [
+        ("all", expand.Context(variables=everything, **common)),
+        ("chosen", expand.Context(variables=chosen, **common)),
+    ]
+
+
+def _finite(values: list[list[Any]]) -> list[float]:
+    return [float(v) for _, v in values if math.isfinite(float(v))]
+
+
+def test_every_promql_expression_returns_data(run: Run, prometheus: Prometheus) -> None:
+    found = inventory.of_kind(inventory.all_queries(_boards()), "promql")
+    assert len(found) >= 30
+    empty, nonzero, checked = [], 0, 0
+    for label, ctx in _contexts(run):
+        for query in found:
+            expr = expand.promql(query.text, ctx)
+            series = prometheus.query_range(expr, run.start, run.end, SCRAPE_S)
+            values = [v for s in series for v in _finite(s["values"])]
+            if query.instant:
+                instant = prometheus.query(expr, run.end)
+                values += [v for s in instant for v in _finite([s["value"]])]
+            checked += 1
+            if not values:
+                empty.append(f"[{label}] {query}: {expr}")
+            elif any(v != 0 for v in values):
+                nonzero += 1
+    print(
+        f"\n{checked} PromQL evaluations ({len(found)} expressions x 2 variable settings), {nonzero} non-zero"
+    )
+    assert not empty, "PromQL with no data for the run:\n" + "\n".join(empty)
+
+
+def test_every_variable_offers_the_runs_values(run: Run, prometheus: Prometheus) -> None:
+    found = inventory.of_kind(inventory.all_queries(_boards()), "label_values")
+    assert found
+    _, ctx = _contexts(run)[0]
+    for query in found:
+        selector, label = expand.label_values(query.text, ctx)
+        values = prometheus.label_values(label, selector, run.start, run.end)
+        expected = {q.MODEL_NAME: [MODEL], q.INSTANCE: run.instances}[label]
+        assert values == expected, (str(query), values)
+
+
+def test_every_clickhouse_panel_returns_rows(run: Run, fleet: Fleet) -> None:
+    assert fleet.sidecar is not None
+    store = fleet.sidecar.store
+    found = inventory.of_kind(inventory.all_queries(_boards()), "sql")
+    assert len(found) >= 10
+    empty, checked = [], 0
+    # The conversation drill-down for a conversation that pulled, and for one that lapsed.
+    for conversation in (REUSE.conversation_id, LAPSE.conversation_id):
+        for label, ctx in _contexts(run, conversation=conversation):
+            for query in found:
+                rows = store.query(expand.clickhouse(query.text, ctx))
+                checked += 1
+                if not rows:
+                    empty.append(f"[{label}, {conversation}] {query}")
+                if query.where == f"variable {CONVERSATION_VAR}":
+                    listed = [next(iter(row.values())) for row in rows]
+                    assert {REUSE.conversation_id, LAPSE.conversation_id} <= set(listed), listed
+    print(f"\n{checked} SQL runs ({len(found)} queries), all on the run's chDB store")
+    assert not empty, "SQL panels with no rows for the run:\n" + "\n".join(empty)
+
+
+def test_traceql_with_the_runs_conversations_parses(run: Run) -> None:
+    found = inventory.of_kind(inventory.all_queries(_boards()), "traceql")
+    assert found
+    queries = [
+        expand.traceql(query.text, ctx)
+        for conversation in run.results
+        for _, ctx in _contexts(run, conversation=conversation)[:1]
+        for query in found
+    ]
+    code, results = traceql_parse(queries)
+    assert code == 0, [r for r in results if r["errors"]]
+
+
+def test_the_run_itself_covers_what_the_panels_are_about(run: Run, prometheus: Prometheus) -> None:
+    """Non-empty is only meaningful if the run produced each case; check the key ones by value."""
+    at = run.end
+
+    def total(expr: str) -> float:
+        result = prometheus.query(expr, at)
+        return sum(float(s["value"][1]) for s in result)
+
+    assert (
+        total(q.sel(q.counter(names.METRIC_PREFILL_TOKENS), (), q.eq(q.SOURCE, names.TOKEN_SOURCE_PULLED)))
+        > 0
+    )
+    reasons = {
+        s["metric"][q.REASON]
+        for s in prometheus.query(f"sum by (reason) ({q.counter(names.METRIC_PULL_DECISIONS)})", at)
+    }
+    assert {
+        names.REASON_PULLED,
+        names.REASON_NO_DECODE_HANDLE,
+        names.REASON_DECLINED_EXPIRED,
+        names.REASON_BELOW_THRESHOLD,
+    } <= reasons
+    assert total(q.sel(q.counter(names.METRIC_RETENTIONS), (), q.eq(q.OUTCOME, names.RETENTION_EXPIRED))) >= 1
+    failed = q.eq(q.OUTCOME, names.OUTCOME_FAILED_KV_LOAD)
+    assert total(q.sel(q.counter(names.METRIC_REQUESTS), (), failed)) >= 1
+    assert total(q.sel(q.counter(names.METRIC_TURNS), (), q.eq(q.STATUS, q.TURN_STATUS_ERROR))) >= 1
+    ttft_turns = {
+        s["metric"][q.TURN_INDEX] for s in prometheus.query(q.hist_count(names.METRIC_TURN_TTFT_SECONDS), at)
+    }
+    assert {"0", "1", "2", "3"} <= ttft_turns
+    gap_sources = {
+        s["metric"][q.SOURCE] for s in prometheus.query(q.hist_count(names.METRIC_TURN_GAP_SECONDS), at)
+    }
+    assert {names.GAP_SOURCE_AGENT_SPANS, names.GAP_SOURCE_MESSAGES} <= gap_sources
+    assert run.end - run.start < timedelta(minutes=5).total_seconds()
