@@ -190,3 +190,12 @@ def test_cli_build_writes_and_check_detects_stale_files(
     err = capsys.readouterr().err
     assert "otelkv-kv-reuse.json" in err and "provisioning/dashboards/otelkv.yaml" in err
     assert "otelkv-agent-turns.json" not in err
+
+
+def test_docs_list_every_panel() -> None:
+    """docs/dashboards.md names every panel of every dashboard (by id and title)."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "dashboards.md").read_text()
+    for board in BOARDS.values():
+        for panel in _panels(board):
+            if panel["type"] != "row":
+                assert f"| {panel['id']} | {panel['title']} |" in docs, (board["uid"], panel["title"])
