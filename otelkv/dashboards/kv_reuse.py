@@ -592,7 +592,7 @@ LIMIT 100
 def failed_requests() -> PanelBuilder:
     return table_panel(
         33,
-        "Failed or stuck requests",
+        "Failed or stuck requests, one by one",
         "Each engine request that did not finish, with its conversation, the pull decision "
         "it had made and vLLM's message. `otelkv why TRACE_ID` names the cause and the fix.",
         s.ClickHouseTarget(FAILED_REQUESTS_SQL),

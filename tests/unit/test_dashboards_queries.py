@@ -283,7 +283,7 @@ def test_sql_answers_are_right_not_just_present(store: ChdbStore) -> None:
     ]
     buckets = {r["gap_vs_ttl"]: r["turns"] for r in rows("Inter-turn gap against the decode TTL")}
     assert buckets["> TTL"] == 2
-    (failed,) = rows("Failed or stuck requests")
+    (failed,) = rows("Failed or stuck requests, one by one")
     assert (failed["conversation"], failed["outcome"], failed["pull_reason"]) == (
         "conv-failed",
         names.OUTCOME_FAILED_KV_LOAD,
