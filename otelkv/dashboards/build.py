@@ -19,8 +19,10 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
 from otelkv.dashboards import agent_turns, conversation, kv_reuse, provisioning
 
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "dashboards"
-"""``dashboards/`` at the repository root (where the committed JSON lives)."""
+_CHECKOUT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = (_CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()) / "dashboards"
+"""``dashboards/`` at the repository root (where the committed JSON lives) in a source
+checkout; ``./dashboards`` when otelkv is installed as a package."""
 
 
 @dataclass(frozen=True)
