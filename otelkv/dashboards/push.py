@@ -194,6 +194,7 @@ class Pusher:
                 model,
             )
             return "created"
+        # A password cannot be read back to compare: with one, the datasource is rewritten.
         comparable = {k: v for k, v in model.items() if k != "secureJsonData"}
         if all(existing.get(k) == v for k, v in comparable.items()) and "secureJsonData" not in model:
             return "unchanged"
@@ -255,8 +256,8 @@ class Pusher:
                 raise PushError(f"unknown datasource {key!r}: use {', '.join(BY_KEY)}")
             password = clickhouse_password if source is CLICKHOUSE else None
             report.datasources[source.uid] = self.datasource(source, url, password=password)
-        uid, report.folder = self.folder(folder_title)
-        report.folder = f"{folder_title} ({uid}) {report.folder}"
+        uid, status = self.folder(folder_title)
+        report.folder = f"{folder_title} ({uid}) {status}"
         for board in boards:
             report.dashboards[str(board["uid"])] = self.dashboard(board, uid, overwrite=overwrite)
         return report
