@@ -199,3 +199,14 @@ def test_docs_list_every_panel() -> None:
         for panel in _panels(board):
             if panel["type"] != "row":
                 assert f"| {panel['id']} | {panel['title']} |" in docs, (board["uid"], panel["title"])
+
+
+def test_the_compose_stacks_datasources_keep_the_dashboards_uids() -> None:
+    """collectors/ provisions its own datasources; the dashboards only work if uids agree."""
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "collectors" / "grafana" / "provisioning" / "datasources"
+    files = sorted(path.glob("*.yaml"))
+    assert files, f"no datasource provisioning in {path}"
+    provisioned = {d["uid"]: d["type"] for f in files for d in yaml.safe_load(f.read_text())["datasources"]}
+    assert provisioned == {s.uid: s.type for s in SOURCES}
