@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,175 +26,8 @@ import pyarrow as pa
 
 from otelkv.sidecar.otlp import SpanRecord
 from otelkv.store import schema
+from otelkv.store.arrow_batch import BuildError, spans_to_arrow
 from otelkv.store.base import StoreError, param_text
-from otelkv.store.rows import attr_value
-
-_MAP = pa.map_(pa.string(), pa.string())
-_TS = pa.timestamp("ns", tz="UTC")
-_ARROW_SCHEMA = pa.schema(
-    [
-        ("Timestamp", _TS),
-        ("TraceId", pa.string()),
-        ("SpanId", pa.string()),
-        ("ParentSpanId", pa.string()),
-        ("TraceState", pa.string()),
-        ("SpanName", pa.string()),
-        ("SpanKind", pa.string()),
-        ("ServiceName", pa.string()),
-        ("ResourceAttributes", _MAP),
-        ("ScopeName", pa.string()),
-        ("ScopeVersion", pa.string()),
-        ("SpanAttributes", _MAP),
-        ("Duration", pa.uint64()),
-        ("StatusCode", pa.string()),
-        ("StatusMessage", pa.string()),
-        ("Events_Timestamp", pa.list_(_TS)),
-        ("Events_Name", pa.list_(pa.string())),
-        ("Events_Attributes", pa.list_(_MAP)),
-        ("Links_TraceId", pa.list_(pa.string())),
-        ("Links_SpanId", pa.list_(pa.string())),
-        ("Links_TraceState", pa.list_(pa.string())),
-        ("Links_Attributes", pa.list_(_MAP)),
-    ]
-)
-_SURROGATES = re.compile("[\ud800-\udfff]")
-
-
-def _clean(value: Any) -> str:
-    """Any value as a UTF-8-encodable string (slow path, used only when a batch failed)."""
-    text = value if isinstance(value, str) else attr_value(value)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = _SURROGATES.sub("\ufffd", text)
-    return text
-
-
-class _MapBuilder:
-    """Flat keys/values/offsets for a ``map<string,string>`` column (one pa.array call each)."""
-
-    __slots__ = ("keys", "offsets", "values")
-
-    def __init__(self) -> None:
-        self.keys: list[Any] = []
-        self.values: list[Any] = []
-        self.offsets: list[int] = [0]
-
-    def add(self, attrs: Mapping[str, Any] | None) -> None:
-        if attrs:
-            self.keys.extend(attrs)
-            self.values.extend(
-                [
-                    v if (t := type(v)) is str else str(v) if t is int else attr_value(v)
-                    for v in attrs.values()
-                ]
-            )
-        self.offsets.append(len(self.keys))
-
-    def array(self, clean: bool) -> pa.Array:
-        keys, values = self.keys, self.values
-        if clean:
-            keys, values = [_clean(k) for k in keys], [_clean(v) for v in values]
-        return pa.MapArray.from_arrays(
-            pa.array(self.offsets, pa.int32()), pa.array(keys, pa.string()), pa.array(values, pa.string())
-        )
-
-
-def _list_array(offsets: list[int], values: pa.Array) -> pa.Array:
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
-
-
-def spans_to_arrow(spans: Sequence[SpanRecord], *, clean: bool = False) -> pa.Table:
-    """The batch as an Arrow table in :data:`schema.COLUMNS` order (same values as ``span_to_row``).
-
-    ``clean`` stringifies odd keys and replaces lone surrogates; it is the retry path after
-    Arrow refused a batch, so the common case pays nothing for it.
-    """
-    ts: list[int] = []
-    durations: list[int] = []
-    strings: dict[str, list[Any]] = {
-        name: []
-        for name in (
-            "TraceId",
-            "SpanId",
-            "ParentSpanId",
-            "TraceState",
-            "SpanName",
-            "SpanKind",
-            "ServiceName",
-            "ScopeName",
-            "ScopeVersion",
-            "StatusCode",
-            "StatusMessage",
-        )
-    }
-    s_trace, s_span, s_parent = strings["TraceId"], strings["SpanId"], strings["ParentSpanId"]
-    s_state, s_name, s_kind = strings["TraceState"], strings["SpanName"], strings["SpanKind"]
-    s_service, s_scope, s_scope_v = strings["ServiceName"], strings["ScopeName"], strings["ScopeVersion"]
-    s_status, s_message = strings["StatusCode"], strings["StatusMessage"]
-    resources = _MapBuilder()
-    attributes = _MapBuilder()
-    ev_offsets, ev_ts, ev_names, ev_attrs = [0], [], [], _MapBuilder()
-    ln_offsets, ln_trace, ln_span, ln_state, ln_attrs = [0], [], [], [], _MapBuilder()
-    services: dict[int, str] = {}
-    for span in spans:
-        start = int(span.start_ns)
-        ts.append(start)
-        durations.append(max(0, int(span.end_ns) - start))
-        s_trace.append(span.trace_id)
-        s_span.append(span.span_id)
-        s_parent.append(span.parent_span_id)
-        s_state.append(span.trace_state)
-        s_name.append(span.name)
-        s_kind.append(span.kind)
-        resource = span.resource
-        service = services.get(id(resource))
-        if service is None:
-            service = attr_value(resource.get("service.name", "")) if resource else ""
-            services[id(resource)] = service
-        s_service.append(service)
-        resources.add(resource)
-        s_scope.append(span.scope_name)
-        s_scope_v.append(span.scope_version)
-        attributes.add(span.attributes)
-        s_status.append(span.status_code)
-        s_message.append(span.status_message)
-        for event in span.events or ():
-            ev_ts.append(int(event.get("time_ns", 0)))
-            ev_names.append(str(event.get("name", "")))
-            ev_attrs.add(event.get("attributes"))
-        ev_offsets.append(len(ev_ts))
-        for link in span.links or ():
-            ln_trace.append(str(link.get("trace_id", "")))
-            ln_span.append(str(link.get("span_id", "")))
-            ln_state.append(str(link.get("trace_state", "")))
-            ln_attrs.add(link.get("attributes"))
-        ln_offsets.append(len(ln_trace))
-
-    def text(values: list[Any]) -> pa.Array:
-        return pa.array([_clean(v) for v in values] if clean else values, pa.string())
-
-    columns = [
-        pa.array(ts, _TS),
-        *(text(strings[name]) for name in ("TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName")),
-        text(s_kind),
-        text(s_service),
-        resources.array(clean),
-        text(s_scope),
-        text(s_scope_v),
-        attributes.array(clean),
-        pa.array(durations, pa.uint64()),
-        text(s_status),
-        text(s_message),
-        _list_array(ev_offsets, pa.array(ev_ts, _TS)),
-        _list_array(ev_offsets, text(ev_names)),
-        _list_array(ev_offsets, ev_attrs.array(clean)),
-        _list_array(ln_offsets, text(ln_trace)),
-        _list_array(ln_offsets, text(ln_span)),
-        _list_array(ln_offsets, text(ln_state)),
-        _list_array(ln_offsets, ln_attrs.array(clean)),
-    ]
-    return pa.Table.from_arrays(columns, schema=_ARROW_SCHEMA)
 
 
 def _holds_lock(path: Path) -> bool:
@@ -276,7 +108,7 @@ class ChdbStore:
             return 0
         try:
             batch = spans_to_arrow(spans)
-        except (UnicodeEncodeError, pa.ArrowException, TypeError, ValueError):
+        except BuildError:
             batch = spans_to_arrow(spans, clean=True)
         self._run_insert(batch)
         return len(spans)
