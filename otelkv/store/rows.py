@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import base64
 import json
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 from otelkv.sidecar.otlp import SpanRecord
 
@@ -33,6 +32,8 @@ Events.Name AS EventsName, Events.Attributes AS EventsAttributes,
 Links.TraceId AS LinksTraceId, Links.SpanId AS LinksSpanId,
 Links.TraceState AS LinksTraceState, Links.Attributes AS LinksAttributes"""
 """Select list whose rows :func:`row_to_span` reads (nanosecond integers, no time zones)."""
+
+_T = TypeVar("_T")
 
 
 def format_float(value: float) -> str:
@@ -213,37 +214,43 @@ def attr_str(attrs: Mapping[str, Any] | None, key: str, default: str = "") -> st
         return default
 
 
-def attr_int(attrs: Mapping[str, Any] | None, key: str, default: int = 0) -> int:
-    """An integer attribute from ``12``, ``"12"``, ``12.0`` or ``"12.0"``; bad/missing -> default."""
-    value = attrs.get(key) if attrs else None
-    if value is None or isinstance(value, bool):
-        return default if value is None else int(value)
-    try:
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float):
-            return int(value) if math.isfinite(value) else default
-        text = str(value).strip()
-        try:
-            return int(text)
-        except ValueError:
-            number = float(text)
-            return int(number) if math.isfinite(number) else default
-    except (ValueError, TypeError, OverflowError):
-        return default
+def _coerce(attrs: Mapping[str, Any] | None, key: str, default: _T, convert: Callable[[Any], _T]) -> _T:
+    """``convert(attrs[key])``, or ``default`` when the key is missing, None or not convertible.
 
-
-def attr_float(attrs: Mapping[str, Any] | None, key: str, default: float = 0.0) -> float:
-    """A float attribute from ``1.5`` or ``"1.5"`` (also ``"NaN"``/``"+Inf"``); bad/missing -> default."""
+    The one shape of the numeric getters: stored rows hold text, live spans native values,
+    and a bad attribute must never raise out of an analysis.
+    """
     value = attrs.get(key) if attrs else None
     if value is None:
         return default
     try:
-        if isinstance(value, (int, float)):
-            return float(value)
-        return float(str(value).strip())
-    except (ValueError, TypeError, OverflowError):
+        return convert(value)
+    except (ValueError, TypeError, OverflowError):  # NaN/inf -> int raise too
         return default
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, (int, float)):  # bool included: True -> 1
+        return int(value)
+    text = str(value).strip()
+    try:
+        return int(text)  # exact for big ints, which a float would round
+    except ValueError:
+        return int(float(text))
+
+
+def _to_float(value: Any) -> float:
+    return float(value if isinstance(value, (int, float)) else str(value).strip())
+
+
+def attr_int(attrs: Mapping[str, Any] | None, key: str, default: int = 0) -> int:
+    """An integer attribute from ``12``, ``"12"``, ``12.0`` or ``"12.0"``; bad/missing -> default."""
+    return _coerce(attrs, key, default, _to_int)
+
+
+def attr_float(attrs: Mapping[str, Any] | None, key: str, default: float = 0.0) -> float:
+    """A float attribute from ``1.5`` or ``"1.5"`` (also ``"NaN"``/``"+Inf"``); bad/missing -> default."""
+    return _coerce(attrs, key, default, _to_float)
 
 
 def attr_bool(attrs: Mapping[str, Any] | None, key: str, default: bool = False) -> bool:
