@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otelkv import names
-from otelkv.analysis.model import Leg, Turn
+from otelkv.analysis.model import Leg, Retention, Turn
 
 QUEUEING_MIN_S = 0.25
 """Unexplained input processing below this is noise (HTTP, tokenization), not queueing."""
@@ -244,32 +244,51 @@ def check_transfer_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
 # ------------------------------------------------------------------ lost reuse
 
 
-def _ttl_lapse_facts(turn: Turn) -> tuple[bool, bool, bool, float | None]:
-    """(previous retention expired, read declined as expired, gap exceeded TTL, ttl)."""
-    prev = turn.previous
-    ret = prev.decode.retention if prev and prev.decode else None
-    expired = ret is not None and ret.outcome == names.RETENTION_EXPIRED
-    leg = turn.prefill
-    declined = leg is not None and (
-        leg.reason == names.REASON_DECLINED_EXPIRED
-        or (leg.transfer is not None and leg.transfer.outcome == names.TRANSFER_DECLINED_EXPIRED)
-    )
-    ttl = turn.decoder_ttl_s()
-    over = ttl is not None and turn.gap_s >= ttl > 0
-    return expired, declined, over, ttl
+@dataclass(frozen=True)
+class _Lapse:
+    """Whether the previous turn's decode KV outlived the gap before ``turn``.
+
+    The two lost-reuse checks split on these facts (the KV really expired -> ttl lapse;
+    still held but the router called the handle stale -> router drop), so they are read
+    in one place and both evidence dicts draw on the same values.
+    """
+
+    retention: Retention | None  # the previous turn's decode retention
+    expired: bool  # ... ended expired
+    declined: bool  # prefill's read was declined as expired
+    over: bool  # the gap reached decoder_kv_blocks_ttl
+    ttl: float | None
+    tokens: int  # prompt tokens recomputed instead (lost_tokens)
+
+    @classmethod
+    def of(cls, turn: Turn) -> _Lapse:
+        prev = turn.previous
+        ret = prev.decode.retention if prev and prev.decode else None
+        leg = turn.prefill
+        declined = leg is not None and (
+            leg.reason == names.REASON_DECLINED_EXPIRED
+            or (leg.transfer is not None and leg.transfer.outcome == names.TRANSFER_DECLINED_EXPIRED)
+        )
+        ttl = turn.decoder_ttl_s()
+        return cls(
+            retention=ret,
+            expired=ret is not None and ret.outcome == names.RETENTION_EXPIRED,
+            declined=declined,
+            over=ttl is not None and turn.gap_s >= ttl > 0,
+            ttl=ttl,
+            tokens=lost_tokens(turn),
+        )
 
 
 def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     if not _not_first(turn):
         return None
-    expired, declined, over, ttl = _ttl_lapse_facts(turn)
+    lapse = _Lapse.of(turn)
     stale = turn.router is not None and turn.router.handle == names.ROUTER_HANDLE_STALE
-    if not (expired or declined or (stale and over)):
+    if not (lapse.expired or lapse.declined or (stale and lapse.over)):
         return None
-    prev = turn.previous
-    ret = prev.decode.retention if prev and prev.decode else None
+    ret, ttl, tokens = lapse.retention, lapse.ttl, lapse.tokens
     phases = turn.phases
-    tokens = lost_tokens(turn)
     evidence = {
         "gap_s": _r(turn.gap_s),
         "decoder_kv_blocks_ttl_s": _r(ttl),
@@ -308,12 +327,10 @@ def check_router_dropped(turn: Turn, ctx: Context) -> Diagnosis | None:
     router = turn.router
     if router is None or router.handle != names.ROUTER_HANDLE_STALE:
         return None
-    expired, _declined, over, ttl = _ttl_lapse_facts(turn)
-    if expired or over:
+    lapse = _Lapse.of(turn)
+    if lapse.expired or lapse.over:
         return None  # the KV really was gone: ttl_lapsed_during_gap says so
-    tokens = lost_tokens(turn)
-    prev = turn.previous
-    ret = prev.decode.retention if prev and prev.decode else None
+    ret, ttl, tokens = lapse.retention, lapse.ttl, lapse.tokens
     evidence = {
         "router_handle": router.handle,
         "handle_age_s": _r(router.handle_age_s),
