@@ -66,8 +66,13 @@ class ChdbStore:
         self.database = database
         self._lock = threading.Lock()
         self._table = f"{schema.quote_ident(database)}.{schema.quote_ident(schema.TRACES_TABLE)}"
+        # Skip indexes are built when parts merge, not on insert: a 5000-span part then
+        # has 13 files instead of 27 (two per index) and its insert skips the bloom-filter
+        # work; merges build every index for the parts they write. Until its first merge
+        # a fresh part (a few thousand rows) is read without index pruning.
         self._insert_sql = (
             f"INSERT INTO {self._table} ({', '.join(f'`{c}`' for c in schema.COLUMNS)}) "
+            "SETTINGS materialize_skip_indexes_on_insert = 0 "
             "SELECT * FROM Python(_otelkv_arrow_batch)"
         )
         if _holds_lock(self.path):
