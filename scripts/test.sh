@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 scripts/system-tools.sh
+# The TraceQL parser the dashboard tests check queries with (@grafana/lezer-traceql).
+npm ci --prefix tests/traceql --no-audit --no-fund --loglevel=error >/dev/null
 VENV=${OTELKV_VENV:-.venv}
 "$VENV/bin/ruff" check otelkv tests bench
 export OTELKV_REQUIRE_FLEET_TESTS=1

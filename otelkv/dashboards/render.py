@@ -67,6 +67,8 @@ def legend(template: str | None, labels: Mapping[str, str]) -> str:
 
 def _unit(panel: Mapping[str, Any]) -> str:
     unit = ((panel.get("fieldConfig") or {}).get("defaults") or {}).get("unit") or ""
+    if unit.startswith("suffix:"):  # Grafana's custom unit: the text after the colon
+        return unit.partition(":")[2].strip()
     return _UNITS.get(unit, unit)
 
 

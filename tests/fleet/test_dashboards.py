@@ -468,3 +468,44 @@ def test_the_run_itself_covers_what_the_panels_are_about(run: Run, prometheus: P
     }
     assert {names.GAP_SOURCE_AGENT_SPANS, names.GAP_SOURCE_MESSAGES} <= gap_sources
     assert run.end - run.start < timedelta(minutes=5).total_seconds()
+
+
+README_PICTURE = (
+    ("otelkv-agent-turns", 9),  # turn time by phase, stacked
+    ("otelkv-agent-turns", 15),  # TTFT by turn index
+    ("otelkv-kv-reuse", 9),  # prefill tokens by source
+    ("otelkv-kv-reuse", 11),  # pull decisions by reason
+    ("otelkv-kv-reuse", 14),  # KV bytes/s by direction and backend
+    ("otelkv-conversation", 3),  # one conversation's turns, phase by phase (SQL)
+)
+
+
+def test_readme_picture_is_drawn_from_the_run(
+    run: Run, prometheus: Prometheus, fleet: Fleet, tmp_path: Path
+) -> None:
+    """The README's picture: six panels drawn from their own queries on this run's Prometheus
+    and store. ``OTELKV_README_PICTURE=docs/img/dashboards.png`` keeps it; every panel must
+    have drawn data, so the picture cannot silently show an empty panel."""
+    from otelkv.dashboards.render import render
+
+    assert fleet.sidecar is not None
+    store = fleet.sidecar.store
+    boards = {board["uid"]: board for board in _boards().values()}
+    _, ctx = _contexts(run)[0]  # as opened: every model and engine, the reuse conversation
+
+    def sql_rows(sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        rows = store.query(sql)
+        return (list(rows[0]) if rows else []), [tuple(row.values()) for row in rows]
+
+    out = Path(os.environ.get("OTELKV_README_PICTURE") or tmp_path / "dashboards.png")
+    drawn = render(
+        out,
+        [(boards[uid], panel) for uid, panel in README_PICTURE],
+        ctx,
+        prom_range=lambda expr: prometheus.query_range(expr, run.start, run.end, SCRAPE_S),
+        prom_instant=lambda expr: prometheus.query(expr, run.end),
+        sql_rows=sql_rows,
+        title="otelkv dashboards, drawn from a real 1P1D vLLM run (NIXL over UCX, CPU) through the sidecar",
+    )
+    assert all(d.points > 0 for d in drawn), drawn
+    assert out.stat().st_size > 50_000
