@@ -174,8 +174,7 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{admin_port}/api/v1/health")
         direct, sidecar = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{px_port}"
         rows = []
-        sidecar_turns = 0
-        cpu_main = cpu_proxy = 0.0
+        cpu_before = process_cpu(procs[1].pid)
         for stream in (False, True):
             lat: dict[str, list[float]] = {"direct": [], "sidecar": []}
             rps: dict[str, list[float]] = {"direct": [], "sidecar": []}
@@ -184,13 +183,7 @@ def main() -> int:
                 if r % 2:
                     order.reverse()
                 for arm, url in order:
-                    before = process_cpu(procs[1].pid)
                     lat[arm] += asyncio.run(latency_round(url, stream, args.requests))
-                    if arm == "sidecar":
-                        after = process_cpu(procs[1].pid)
-                        cpu_main += after[0] - before[0]
-                        cpu_proxy += after[1] - before[1]
-                        sidecar_turns += args.requests + 20
                 for arm, url in order:
                     rate = asyncio.run(saturation_round(url, stream, args.concurrency, args.seconds))
                     rps[arm].append(rate)
@@ -207,7 +200,21 @@ def main() -> int:
                     f"ratio {s_rps / d_rps:.3f}",
                 )
             )
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics").read().decode()
+        # CPU per turn over the whole run, once the store has written everything it was given.
+        urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics").read()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics").read().decode()
+            queued = [ln for ln in metrics.splitlines() if ln.startswith("otelkv_sidecar_store_queue_spans ")]
+            if not queued or float(queued[0].split()[1]) == 0:
+                break
+            time.sleep(0.5)
+        time.sleep(1.0)  # the last batch's insert
+        cpu_after = process_cpu(procs[1].pid)
+        cpu_main, cpu_proxy = cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]
+        sidecar_turns = sum(
+            float(ln.split()[1]) for ln in metrics.splitlines() if ln.startswith("otelkv_turns_total{")
+        )
         stored = [ln for ln in metrics.splitlines() if ln.startswith("otelkv_sidecar_spans_received_total")]
         dropped = [ln for ln in metrics.splitlines() if ln.startswith("otelkv_sidecar_spans_dropped_total")]
     finally:
@@ -220,7 +227,7 @@ def main() -> int:
     for name, d, s, delta in rows:
         print(f"{name:{width}}  {d:>12}  {s:>12}  {delta:>18}")
     print(
-        f"sidecar CPU per turn (latency rounds, {sidecar_turns} turns): proxy process "
+        f"sidecar CPU per turn (whole run, {sidecar_turns:.0f} turns): proxy process "
         f"{1e6 * cpu_proxy / sidecar_turns:.0f} us, main process (spans, metrics, store) "
         f"{1e6 * cpu_main / sidecar_turns:.0f} us"
     )
