@@ -57,6 +57,10 @@ def _thread_cpu(prefixes: tuple[str, ...]) -> float:
     return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in wanted)
 
 
+ERRORS: dict[str, int] = {}
+"""Failed turns per URL (a failed turn ends its conversation; the agent starts another)."""
+
+
 async def saturate(url: str, concurrency: int, seconds: float, turns: int, tag: str) -> int:
     """Agents each run conversations of ``turns`` turns back to back; returns turns done."""
     done = 0
@@ -78,9 +82,11 @@ async def saturate(url: str, concurrency: int, seconds: float, turns: int, tag: 
                     json=body,
                     headers={"X-Conversation-Id": conversation},
                 ) as resp:
-                    data = await resp.json()
-                    if resp.status != 200:
-                        raise RuntimeError(f"{resp.status}: {data}")
+                    data = await resp.json(content_type=None)
+                if resp.status != 200:
+                    ERRORS[url] = ERRORS.get(url, 0) + 1
+                    print(f"  {tag}: turn failed with {resp.status}: {str(data)[:160]}", flush=True)
+                    break
                 done += 1
                 messages.append(data["choices"][0]["message"])
                 if time.monotonic() >= deadline:
@@ -143,6 +149,7 @@ def main() -> int:
     side_ms = 1e3 * sum(c[2] for c in cpu["sidecar"]) / max(s_turns, 1)
     rows = [
         ("turns/s at saturation (median)", f"{d:.2f}", f"{s:.2f}", f"ratio {s / d:.3f}"),
+        ("failed turns", str(ERRORS.get(direct, 0)), str(ERRORS.get(sidecar, 0)), ""),
         (
             "turns/s, every round",
             " ".join(f"{x:.1f}" for x in rates["direct"]),
