@@ -247,6 +247,27 @@ def test_ttl_clause_and_contrib_schema(store: ChdbStore) -> None:
     assert tables == {"otel_traces", "otel_traces_trace_id_ts", "otel_traces_trace_id_ts_mv"}
 
 
+def test_skip_indexes_are_built_by_merges(store: ChdbStore) -> None:
+    """Inserts skip the index files; the merged part has them; the spans are found either way."""
+    first, second = span("ix1", "a", "x", NOW, 1.0), span("ix2", "b", "x", NOW, 1.0)
+    store.insert_spans([first])
+    store.insert_spans([second])
+
+    def index_bytes() -> list[int]:
+        rows = store.query(
+            "SELECT secondary_indices_compressed_bytes AS b FROM system.parts "
+            "WHERE active AND database = 'otel' AND table = 'otel_traces'"
+        )
+        return [r["b"] for r in rows]
+
+    assert index_bytes() == [0, 0]
+    assert [s.span_id for s in queries.trace_spans(store, [second.trace_id])] == [second.span_id]
+    store.query("OPTIMIZE TABLE otel.otel_traces FINAL")
+    (merged,) = index_bytes()
+    assert merged > 0
+    assert [s.span_id for s in queries.trace_spans(store, [first.trace_id])] == [first.span_id]
+
+
 def test_second_process_gets_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "locked"
     with ChdbStore(path):
