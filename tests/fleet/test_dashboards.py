@@ -146,9 +146,20 @@ class Prometheus:
         assert body["status"] == "success", body
         return body["data"]
 
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.HTTPError, OSError):
+            return False
+
     def wait_up(self, timeout_s: float = 60.0) -> None:
         """Until every target has been scraped successfully (the first scrape takes ~5 s)."""
         deadline = time.monotonic() + timeout_s
+        while not self._ready():  # the API answers 503 until the TSDB is open (slow on a busy host)
+            assert self.process.poll() is None, "prometheus exited; see prometheus.log"
+            assert time.monotonic() < deadline, "prometheus not ready; see prometheus.log"
+            time.sleep(0.2)
         while True:
             assert self.process.poll() is None, "prometheus exited; see prometheus.log"
             try:
