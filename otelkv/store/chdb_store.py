@@ -29,6 +29,17 @@ from otelkv.store import schema
 from otelkv.store.arrow_batch import BuildError, spans_to_arrow
 from otelkv.store.base import StoreError, param_text
 
+_MERGE_SETTINGS = "vertical_merge_algorithm_min_rows_to_activate = 1"
+"""Table setting for the embedded store only (the collector's DDL in schema.py stays as is).
+
+Every merge that writes a Wide part merges column by column (vertical) instead of whole
+rows (horizontal); ClickHouse's default waits for 131,072 rows. With 22 columns, four
+of them maps with LowCardinality keys, merging 20 parts of 5000 spans took 9.1 us of
+CPU per row vertically against 20.8 horizontally on the 2-core test machine, and a
+store's merges run beside its inserts on the same cores. Merges into Compact parts
+(under 10 MB) stay horizontal; ClickHouse has no vertical merge for them.
+"""
+
 
 def _holds_lock(path: Path) -> bool:
     """True when another process holds ClickHouse's ``status`` lock in ``path``."""
@@ -95,6 +106,8 @@ class ChdbStore:
                 database, retention_days=retention_days, retention_hours=retention_hours
             ):
                 self._session.query(statement)
+            # Also on stores created before this setting (it is idempotent).
+            self._session.query(f"ALTER TABLE {self._table} MODIFY SETTING {_MERGE_SETTINGS}")
         except RuntimeError as exc:
             self.close()
             raise StoreError(f"cannot create the otel_traces schema in {self.path}: {exc}") from None

@@ -241,6 +241,8 @@ def test_ttl_clause_and_contrib_schema(store: ChdbStore) -> None:
     ddl = store.query("SHOW CREATE TABLE otel.otel_traces")[0]["statement"]
     assert "TTL toDateTime(Timestamp) + toIntervalDay(7)" in ddl
     assert "ttl_only_drop_parts = 1" in ddl and "PARTITION BY toDate(Timestamp)" in ddl
+    # The embedded store's own merge tuning, added to the collector's table settings.
+    assert "vertical_merge_algorithm_min_rows_to_activate = 1" in ddl
     lookup = store.query("SHOW CREATE TABLE otel.otel_traces_trace_id_ts")[0]["statement"]
     assert "TTL toDateTime(Start) + toIntervalDay(7)" in lookup
     tables = {r["name"] for r in store.query("SELECT name FROM system.tables WHERE database = 'otel'")}
