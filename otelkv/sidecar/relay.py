@@ -120,7 +120,6 @@ class _Upstream(asyncio.Protocol):
         self.parser: httptools.HttpResponseParser | None = None
         self.closed = False
         self.idle_since = 0.0
-        self.reused = False
         self._headers: list[tuple[bytes, bytes]] = []
         self._status = 0
         self._head_done = False
@@ -260,7 +259,6 @@ class UpstreamPool:
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < UPSTREAM_IDLE_S:
-                conn.reused = True
                 return conn
             conn._abort()
         return None

@@ -72,28 +72,22 @@ class TurnRecord:
     response: ResponseFacts | None
 
 
+@dataclass(slots=True)
 class _Turn:
     """One observed exchange (the relay's :class:`~otelkv.sidecar.relay.Exchange`)."""
 
-    __slots__ = (
-        "arrival_ns",
-        "emit",
-        "identity",
-        "observer",
-        "operation",
-        "parent",
-        "path",
-        "request",
-        "span_id",
-        "start",
-        "trace_id",
-        "tracker",
-    )
-
-    def __init__(self, **kwargs: Any) -> None:
-        for key, value in kwargs.items():
-            setattr(self, key, value)
-        self.observer: ResponseObserver | None = None
+    arrival_ns: int
+    emit: Callable[[TurnRecord], None]
+    identity: ConversationIdentity | None
+    operation: str
+    parent: Parent | None
+    path: str
+    request: RequestFacts
+    span_id: str
+    start: TurnStart | None
+    trace_id: str
+    tracker: ConversationTracker
+    observer: ResponseObserver | None = None
 
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         try:
