@@ -254,6 +254,25 @@ class Fleet:
         if self._provider is not None:
             self._provider.force_flush()
 
+    def engine_log_lines(self, *needles: str, limit: int = 20) -> list[str]:
+        """The engines' log lines that contain any of ``needles`` (default: vLLM's KV
+        warnings and errors), the last ``limit`` of each engine, prefixed with its role.
+
+        A failed request on the fleet says only "Internal server error"; the reason
+        (an expired read, a failed transfer) is in an engine log the test runner may not
+        keep, so failing assertions quote these lines.
+        """
+        needles = needles or ("Declining expired", "KV load failure", "Releasing expired", "ERROR")
+        lines: list[str] = []
+        for engine in (self.prefill, self.decode):
+            if engine is None or not engine.log_path.exists():
+                continue
+            role = engine.spec.role
+            with engine.log_path.open(errors="replace") as log:
+                found = [f"[{role}] {line.rstrip()}" for line in log if any(n in line for n in needles)]
+            lines += found[-limit:]
+        return lines
+
     def flush_store(self, timeout: float = 15.0) -> None:
         """Everything exported so far written to the sidecar's store (engines export every
         ~0.2 s; call after the spans you need have reached the sink)."""

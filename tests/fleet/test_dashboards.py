@@ -294,10 +294,15 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
         if conversation in LAPSES:
             statuses = [t.status for t in turns]
             assert statuses == [200, 500], (
-                f"{conversation}: the turn after the TTL should fail, got {statuses}"
+                f"{conversation}: the turn after the TTL should fail, got {statuses}",
+                fleet.engine_log_lines(),
             )
         else:
-            assert all(t.ok for t in turns), (conversation, [(t.status, t.error) for t in turns])
+            assert all(t.ok for t in turns), (
+                conversation,
+                [(t.status, t.error) for t in turns],
+                fleet.engine_log_lines(),
+            )
 
     # Every span in: the expired retention of each lapse's first turn ends at its tail's step.
     assert fleet.sink is not None

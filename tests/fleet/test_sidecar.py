@@ -92,7 +92,7 @@ def results(fleet: Fleet) -> dict[str, list[TurnResult]]:
     out[STREAMED.conversation_id] = streamed
     for conversation, turns in out.items():
         if conversation != LAPSE.conversation_id:
-            assert all(t.ok for t in turns), [(t.status, t.error) for t in turns]
+            assert all(t.ok for t in turns), ([(t.status, t.error) for t in turns], fleet.engine_log_lines())
     return out
 
 
