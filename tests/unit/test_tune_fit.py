@@ -84,7 +84,10 @@ def test_recompute_unknown_without_samples() -> None:
 
 def test_pull_fixed_plus_per_byte() -> None:
     # 20 ms + 10 ns per byte.
-    turns = [prefill(f"p{b}", 50, 0.1, pulled=b // 10_000, xfer=(b, 0.02 + 1e-8 * b)) for b in (10**6, 2 * 10**6, 4 * 10**6)]
+    turns = [
+        prefill(f"p{b}", 50, 0.1, pulled=b // 10_000, xfer=(b, 0.02 + 1e-8 * b))
+        for b in (10**6, 2 * 10**6, 4 * 10**6)
+    ]
     fit = fit_pull(turns)
     assert fit.method == METHOD_LEAST_SQUARES and fit.samples == 3
     assert fit.intercept_s == pytest.approx(0.02) and fit.slope_s == pytest.approx(1e-8)
@@ -94,7 +97,10 @@ def test_pull_fallbacks() -> None:
     one = fit_pull([prefill("p", 50, 0.1, pulled=100, xfer=(10**6, 0.05))])
     assert one.method == METHOD_THROUGH_ORIGIN and one.slope_s == pytest.approx(5e-8) and one.intercept_s == 0
     flat = fit_pull(
-        [prefill(f"p{i}", 50, 0.1, pulled=100, xfer=(b, y)) for i, (b, y) in enumerate([(1e6, 0.05), (2e6, 0.04), (3e6, 0.03)])]
+        [
+            prefill(f"p{i}", 50, 0.1, pulled=100, xfer=(b, y))
+            for i, (b, y) in enumerate([(1e6, 0.05), (2e6, 0.04), (3e6, 0.03)])
+        ]
     )
     assert flat.method == METHOD_FIXED and flat.intercept_s == pytest.approx(0.04) and flat.slope_s == 0.0
     assert fit_pull([prefill("a", 100, 0.1)]).method == METHOD_NONE
@@ -104,7 +110,9 @@ def test_geometry_from_transfers_then_retentions() -> None:
     pulled = prefill("p", 50, 0.1, pulled=200, xfer=(2_000_000, 0.05))
     assert fit_geometry([pulled]).bytes_per_token == pytest.approx(10_000)
     decode = Leg(role=names.ROLE_DECODE, prompt_tokens=300, output_tokens=21)  # holds 320 tokens
-    decode.retention = Retention(names.RETENTION_DECODE_TTL, names.RETENTION_EXPIRED, 10.0, 10, 3_200_000, 10.0)
+    decode.retention = Retention(
+        names.RETENTION_DECODE_TTL, names.RETENTION_EXPIRED, 10.0, 10, 3_200_000, 10.0
+    )
     geo = fit_geometry([Turn(trace_id="d", source="engine", decode=decode)])
     assert (geo.bytes_per_token, geo.bytes_per_block, geo.source) == (10_000, 320_000, "kv_retention")
 
@@ -125,5 +133,7 @@ def test_break_even() -> None:
 def test_fit_costs_reports_counts() -> None:
     turns = [prefill(f"t{n}", n, 0.01 + 0.001 * n) for n in (100, 200, 400)]
     data = fit_costs(turns).as_dict()
-    assert data["recompute"]["samples"] == 3 and data["recompute"]["seconds_per_token"] == pytest.approx(0.001)
+    assert data["recompute"]["samples"] == 3 and data["recompute"]["seconds_per_token"] == pytest.approx(
+        0.001
+    )
     assert data["pull"]["method"] == METHOD_NONE and data["break_even_tokens"] is None

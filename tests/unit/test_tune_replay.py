@@ -28,8 +28,18 @@ COSTS = CostModel(
 
 
 def h(start_s: float, gap_s: float | None, tokens: int, blocks: int, reason: str | None = None) -> Handoff:
-    return Handoff("c", f"p{start_s}", "n" if gap_s is not None else None, round(start_s * S), gap_s, tokens,
-                   blocks, blocks * 100_000, False, reason)
+    return Handoff(
+        "c",
+        f"p{start_s}",
+        "n" if gap_s is not None else None,
+        round(start_s * S),
+        gap_s,
+        tokens,
+        blocks,
+        blocks * 100_000,
+        False,
+        reason,
+    )
 
 
 HANDOFFS = [
@@ -96,9 +106,18 @@ def test_handoffs_from_turns() -> None:
     d0 = _leg(names.ROLE_DECODE, 1.0, 2.0, prompt_tokens=300, output_tokens=41)  # holds 340 tokens
     d0.retention = Retention(names.RETENTION_DECODE_TTL, names.RETENTION_CONSUMED, 7.5, 11, 1_100_000, 30.0)
     t0 = Turn(trace_id="a", source="sidecar", conversation_id="c", index=0, decode=d0)
-    p1 = _leg(names.ROLE_PREFILL, 9.5, 9.8, prompt_tokens=400, local_hit=64, reason=names.REASON_NO_DECODE_HANDLE,
-              remote_reusable=0)
-    d1 = _leg(names.ROLE_DECODE, 9.8, 11.0, prompt_tokens=400, output_tokens=10)  # no retention span: estimated
+    p1 = _leg(
+        names.ROLE_PREFILL,
+        9.5,
+        9.8,
+        prompt_tokens=400,
+        local_hit=64,
+        reason=names.REASON_NO_DECODE_HANDLE,
+        remote_reusable=0,
+    )
+    d1 = _leg(
+        names.ROLE_DECODE, 9.8, 11.0, prompt_tokens=400, output_tokens=10
+    )  # no retention span: estimated
     t1 = Turn(trace_id="b", source="sidecar", conversation_id="c", index=1, prefill=p1, decode=d1)
     first, last = handoffs([t1, t0], COSTS.geometry)
     assert (first.producer_trace_id, first.consumer_trace_id) == ("a", "b")
@@ -113,9 +132,18 @@ def test_handoffs_from_turns() -> None:
 
 
 def test_reusable_tokens_prefers_the_recorded_count() -> None:
-    p = Leg(role=names.ROLE_PREFILL, prompt_tokens=400, local_hit=0, remote_reusable=120,
-            reason=names.REASON_BELOW_THRESHOLD)
+    p = Leg(
+        role=names.ROLE_PREFILL,
+        prompt_tokens=400,
+        local_hit=0,
+        remote_reusable=120,
+        reason=names.REASON_BELOW_THRESHOLD,
+    )
     assert reusable_tokens(p, Leg(role=names.ROLE_DECODE, prompt_tokens=300, output_tokens=40)) == 120
-    nothing = Leg(role=names.ROLE_PREFILL, prompt_tokens=400, remote_reusable=0,
-                  reason=names.REASON_NOTHING_BEYOND_LOCAL_HIT)
+    nothing = Leg(
+        role=names.ROLE_PREFILL,
+        prompt_tokens=400,
+        remote_reusable=0,
+        reason=names.REASON_NOTHING_BEYOND_LOCAL_HIT,
+    )
     assert reusable_tokens(nothing, Leg(role=names.ROLE_DECODE, prompt_tokens=300)) == 0

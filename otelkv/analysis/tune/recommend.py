@@ -116,7 +116,8 @@ def _router_flag(cfg: InForce, current: Replay | None) -> Flag | None:
     }
     fix = (
         f"Set the router's handle TTL to at most {limit:g}s (decoder_kv_blocks_ttl - {SAFETY_MARGIN_S:g}s "
-        f"vLLM safety margin - {ROUTER_SLACK_S:g}s), or set kv_load_failure_policy=recompute."
+        f"vLLM safety margin - {ROUTER_SLACK_S:g}s). (kv_load_failure_policy=recompute is no way "
+        "out on vLLM 0.32.0: the declined request then waits for remote KV forever.)"
     )
     if router is not None and cfg.router_ttl_source != ROUTER_TTL_UNKNOWN and router > ttl - SAFETY_MARGIN_S:
         above = router > ttl
