@@ -193,6 +193,9 @@ TURN_INDEX: Final = "otelkv.turn.index"
 ROUTER_HANDLE: Final = "otelkv.router.handle"
 """What the router knew of the conversation's decode handle (:data:`ROUTER_HANDLE_STATES`)."""
 ROUTER_HANDLE_AGE_SECONDS: Final = "otelkv.router.handle_age_s"
+ROUTER_HANDLE_TTL_SECONDS: Final = "otelkv.router.handle_ttl_s"
+"""The router's handle TTL in seconds: it drops a decode handle older than this (absent: none).
+``otelkv tune`` compares it with ``decoder_kv_blocks_ttl``."""
 ROUTER_DECODE_STREAMED: Final = "otelkv.router.decode_streamed"
 HTTP_STATUS: Final = "http.response.status_code"
 
@@ -384,6 +387,14 @@ DIAG_ROUTER_HANDLE_EXPIRED: Final = "router_dropped_handle"
 DIAG_QUEUEING: Final = "queueing"
 DIAG_TOOL_WAIT_DOMINATES: Final = "tool_wait_dominates"
 DIAG_APP_WORK_DOMINATES: Final = "app_work_dominates"
+
+# Flags of ``otelkv tune`` (stable ids: settings that are clearly wrong, documented in docs/tune.md).
+TUNE_ROUTER_TTL_ABOVE_DECODE_TTL: Final = "router_ttl_above_decode_ttl"
+TUNE_TTL_BELOW_COMMON_GAP: Final = "ttl_below_common_gap"
+TUNE_THRESHOLD_BELOW_BREAK_EVEN: Final = "threshold_below_break_even"
+TUNE_THRESHOLD_ABOVE_BREAK_EVEN: Final = "threshold_above_break_even"
+TUNE_PULL_NEVER_FASTER: Final = "pull_never_faster"
+TUNE_CONFIG_MIXED: Final = "config_mixed"
 
 # --------------------------------------------------------------------------------------
 # Engine metrics (exported through vLLM's own /metrics, beside vllm:nixl_*).

@@ -123,14 +123,15 @@ def recompute_s(turn: Turn, tokens: int, ctx: Context) -> float:
     return 0.0
 
 
-def _suggest_ttl(gap_s: float) -> int:
+def suggest_ttl(gap_s: float) -> int:
     """A TTL that covers this gap with a margin, rounded up to a readable number."""
     want = gap_s * 1.25
     step = 5 if want <= 60 else 30 if want <= 600 else 300
     return int(math.ceil(want / step) * step)
 
 
-def _pull_s(leg: Leg) -> float | None:
+def pull_seconds(leg: Leg) -> float | None:
+    """What a pull added to the request: the scheduler's wait for the KV, else NIXL's transfer time."""
     t = leg.transfer
     if t is not None:
         for value in (t.wait_s, t.xfer_s):
@@ -309,7 +310,7 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     held = f"; blocks were held {ret.held_s:.1f}s then freed unread" if ret and ret.held_s is not None else ""
     fix = (
         f"Raise decoder_kv_blocks_ttl (kv_connector_extra_config of the decode node's --kv-transfer-config) "
-        f"to about {_suggest_ttl(turn.gap_s)}s to bridge gaps like this one, if the memory is there "
+        f"to about {suggest_ttl(turn.gap_s)}s to bridge gaps like this one, if the memory is there "
         f"(cost: blocks x seconds held; see otelkv_kv_retention_block_seconds); keep the router's handle "
         "TTL at or below it. Or shorten the agent's wait between turns."
     )
@@ -490,7 +491,7 @@ def check_pull_slower(turn: Turn, ctx: Context) -> Diagnosis | None:
         return None
     if leg.transfer is not None and leg.transfer.outcome not in (None, names.TRANSFER_OK):
         return None
-    pull = _pull_s(leg)
+    pull = pull_seconds(leg)
     if pull is None or not ctx.per_token_s:
         return None
     estimate = leg.pulled * ctx.per_token_s

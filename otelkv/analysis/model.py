@@ -179,6 +179,7 @@ class RouterInfo:
 
     handle: str | None = None
     handle_age_s: float | None = None
+    handle_ttl_s: float | None = None
     decode_streamed: bool | None = None
     http_status: int | None = None
     status: str = "Unset"
@@ -188,6 +189,7 @@ class RouterInfo:
         return {
             "handle": self.handle,
             "handle_age_s": self.handle_age_s,
+            "handle_ttl_s": self.handle_ttl_s,
             "decode_streamed": self.decode_streamed,
             "http_status": self.http_status,
             "status": self.status,
@@ -469,6 +471,7 @@ def build_turn(
             router = RouterInfo(
                 handle=opt_str(a, names.ROUTER_HANDLE),
                 handle_age_s=opt_float(a, names.ROUTER_HANDLE_AGE_SECONDS),
+                handle_ttl_s=opt_float(a, names.ROUTER_HANDLE_TTL_SECONDS),
                 decode_streamed=opt_bool(a, names.ROUTER_DECODE_STREAMED),
                 http_status=opt_int(a, names.HTTP_STATUS),
                 status=span.status_code,

@@ -45,7 +45,7 @@ class SpanSource(Protocol):
         *,
         since_ns: int | None,
         until_ns: int | None,
-        limit: int,
+        limit: int | None,
         slowest_first: bool = True,
         conversation_id: str | None = None,
     ) -> list[SpanRecord]: ...
@@ -85,7 +85,7 @@ class InMemorySource:
         *,
         since_ns: int | None = None,
         until_ns: int | None = None,
-        limit: int = 20,
+        limit: int | None = 20,
         slowest_first: bool = True,
         conversation_id: str | None = None,
     ) -> list[SpanRecord]:
@@ -158,7 +158,7 @@ class StoreSource:
         *,
         since_ns: int | None = None,
         until_ns: int | None = None,
-        limit: int = 20,
+        limit: int | None = 20,
         slowest_first: bool = True,
         conversation_id: str | None = None,
     ) -> list[SpanRecord]:
@@ -240,6 +240,30 @@ def _load_turns(
             built[span.trace_id] = turn
             out.append(turn)
     return out
+
+
+WINDOW_CHUNK = 2000
+"""Turns modelled per ``trace_spans`` call by :func:`window_turns` (bounds one query's IN list)."""
+
+
+def window_turns(
+    source: SpanSource, *, since_ns: int | None, until_ns: int | None, max_turns: int | None = None
+) -> tuple[list[Turn], int]:
+    """Every turn of the window, oldest first, each linked to its previous turn; and how many there were.
+
+    With more than ``max_turns`` turns only the most recent ``max_turns`` are modelled (the
+    count says how many were left out). Traces are fetched a chunk at a time; a chunk's first
+    turns still link to predecessors in the chunk before (their traces are fetched again).
+    """
+    spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=None, slowest_first=False)
+    spans = sorted(spans, key=lambda s: s.start_ns)
+    total = len(spans)
+    if max_turns is not None and total > max_turns:
+        spans = spans[total - max_turns :]
+    turns: list[Turn] = []
+    for i in range(0, len(spans), WINDOW_CHUNK):
+        turns.extend(_load_turns(source, spans[i : i + WINDOW_CHUNK]))
+    return turns, total
 
 
 def _context(turns: Iterable[Turn]) -> Context:

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_query_commands(sub)
+    from otelkv.cli.tune_cmd import add_tune_command
+
+    add_tune_command(sub)
     from otelkv.cli.dashboards_cmd import add_dashboards_command
 
     add_dashboards_command(sub)

@@ -21,7 +21,7 @@ EXIT_OK = 0
 EXIT_ERROR = 2
 
 
-def _source_options(parser: argparse.ArgumentParser) -> None:
+def source_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--sidecar", metavar="URL", help="ask a running sidecar (default: $OTELKV_SIDECAR or :8801)"
@@ -46,7 +46,7 @@ def add_query_commands(subparsers: Any) -> None:
     )
     slow.add_argument("--until", help="window end, a duration before now (default: now)")
     slow.add_argument("--limit", type=int, default=10, help="how many turns (default 10)")
-    _source_options(slow)
+    source_options(slow)
     slow.set_defaults(handler=run_slow)
 
     conv = subparsers.add_parser(
@@ -56,7 +56,7 @@ def add_query_commands(subparsers: Any) -> None:
         "decision and the decode node's retention, and the diagnoses that apply.",
     )
     conv.add_argument("conversation_id", help="the conversation id (gen_ai.conversation.id)")
-    _source_options(conv)
+    source_options(conv)
     conv.set_defaults(handler=run_conversation)
 
     why = subparsers.add_parser(
@@ -65,11 +65,11 @@ def add_query_commands(subparsers: Any) -> None:
         description="REF is a trace id (32 hex digits) or CONVERSATION#INDEX (0-based turn index).",
     )
     why.add_argument("ref", help="trace id, or CONVERSATION#INDEX")
-    _source_options(why)
+    source_options(why)
     why.set_defaults(handler=run_why)
 
 
-def _run(
+def run_query(
     args: argparse.Namespace,
     query: Callable[[Querier], dict[str, Any]],
     show: Callable[[dict[str, Any], TextIO], None],
@@ -106,17 +106,17 @@ def run_slow(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.limit < 1:
         print("otelkv slow: --limit must be at least 1", file=sys.stderr)
         return EXIT_ERROR
-    return _run(
+    return run_query(
         args, lambda q: q.slow(since_ns=since_ns, until_ns=until_ns, limit=args.limit), show_slow, out
     )
 
 
 def run_conversation(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    return _run(args, lambda q: q.conversation(args.conversation_id), show_conversation, out)
+    return run_query(args, lambda q: q.conversation(args.conversation_id), show_conversation, out)
 
 
 def run_why(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    return _run(args, lambda q: q.why(args.ref), show_why, out)
+    return run_query(args, lambda q: q.why(args.ref), show_why, out)
 
 
 # ------------------------------------------------------------------ rendering

@@ -35,13 +35,17 @@ class QueryError(Exception):
 
 
 class Querier(Protocol):
-    """The three queries, wherever they run."""
+    """The queries, wherever they run."""
 
     def slow(self, *, since_ns: int | None, until_ns: int | None, limit: int) -> dict[str, Any]: ...
 
     def conversation(self, conversation_id: str) -> dict[str, Any]: ...
 
     def why(self, ref: str) -> dict[str, Any]: ...
+
+    def tune(
+        self, *, since_ns: int | None, until_ns: int | None, options: dict[str, Any]
+    ) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
 
@@ -129,6 +133,10 @@ class SidecarClient:
     def why(self, ref: str) -> dict[str, Any]:
         return self._get("/api/v1/why/" + urllib.parse.quote(ref, safe=""))
 
+    def tune(self, *, since_ns: int | None, until_ns: int | None, options: dict[str, Any]) -> dict[str, Any]:
+        query = {k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for k, v in options.items()}
+        return self._get("/api/v1/tune", {"since_ns": since_ns, "until_ns": until_ns, **query})
+
     def close(self) -> None:
         return None
 
@@ -174,6 +182,11 @@ class LocalQuerier:
         from otelkv.analysis import report
 
         return self._run(report.why, ref)
+
+    def tune(self, *, since_ns: int | None, until_ns: int | None, options: dict[str, Any]) -> dict[str, Any]:
+        from otelkv.analysis.tune.window import options_from_dict, tune
+
+        return self._run(tune, since_ns=since_ns, until_ns=until_ns, options=options_from_dict(options))
 
     def close(self) -> None:
         if self._closer is not None:

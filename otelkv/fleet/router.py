@@ -283,6 +283,8 @@ class PDRouter:
             )
             if conversation_id:
                 span.set_attribute(names.GEN_AI_CONVERSATION_ID, conversation_id)
+            if self.handles.ttl_s is not None:
+                span.set_attribute(names.ROUTER_HANDLE_TTL_SECONDS, float(self.handles.ttl_s))
 
         kv = dict(handle, do_remote_decode=True, do_remote_prefill=False) if handle else _empty_handle()
         prefill_body = {k: v for k, v in body.items() if k not in _PREFILL_DROP}

@@ -1,4 +1,4 @@
-"""The sidecar's query API: what ``otelkv slow / conversation / why`` print, as JSON.
+"""The sidecar's query API: what ``otelkv slow / conversation / why / tune`` print, as JSON.
 
 Only one process can open a chDB directory, and the sidecar holds it, so the CLI asks
 here. The answers are exactly the dicts of :mod:`otelkv.analysis.report`. Queries run in
@@ -48,6 +48,7 @@ class QueryApi:
             web.get("/api/v1/slow", self.slow),
             web.get("/api/v1/conversations/{conversation_id}", self.conversation),
             web.get("/api/v1/why/{ref}", self.why),
+            web.get("/api/v1/tune", self.tune),
         ]
 
     async def health(self, request: web.Request) -> web.Response:
@@ -89,6 +90,19 @@ class QueryApi:
         from otelkv.analysis import report
 
         return await self._run(report.why, request.match_info["ref"])
+
+    async def tune(self, request: web.Request) -> web.Response:
+        from otelkv.analysis.tune.window import options_from_dict, tune
+
+        try:
+            since = _opt_int(request.query.get("since_ns"))
+            until = _opt_int(request.query.get("until_ns"))
+            options = options_from_dict(
+                {k: v for k, v in request.query.items() if k not in ("since_ns", "until_ns")}
+            )
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return await self._run(tune, since_ns=since, until_ns=until, options=options)
 
 
 def _opt_int(value: str | None) -> int | None:
