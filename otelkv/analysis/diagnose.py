@@ -26,6 +26,11 @@ QUEUEING_MIN_S = 0.25
 """Unexplained input processing below this is noise (HTTP, tokenization), not queueing."""
 QUEUEING_MIN_SHARE = 0.5
 """Unexplained time must be at least this share of input processing to count as queueing."""
+SLOW_HANDOFF_MIN_S = 1.0
+"""A P->D hand-off wait below this is not worth a diagnosis on its own (it shows as
+``pull_slower_than_recompute`` or not at all)."""
+SLOW_HANDOFF_SHARE = 0.25
+"""... and it must be at least this share of the request (arrival to last token)."""
 DOMINATES_SHARE = 0.5
 """A gap phase "dominates" when it is more than this share of the turn."""
 DOMINATES_MIN_S = 1.0
@@ -74,6 +79,7 @@ TITLES: dict[str, str] = {
     names.DIAG_NO_CONVERSATION_ID: "No conversation id from the client",
     names.DIAG_BELOW_THRESHOLD: "Reusable KV below the recompute threshold",
     names.DIAG_PULL_SLOWER_THAN_RECOMPUTE: "Pull slower than recomputing",
+    names.DIAG_SLOW_KV_HANDOFF: "Decode waited long for the prefill node's KV",
     names.DIAG_QUEUEING: "Queueing before the engines",
     names.DIAG_TOOL_WAIT_DOMINATES: "Tool wait dominates the turn",
     names.DIAG_APP_WORK_DOMINATES: "Agent's own work dominates the turn",
@@ -521,6 +527,47 @@ def check_pull_slower(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The forward hand-off (decode reading the prefill node's KV) took seconds.
+
+    A P->D read of a few blocks takes milliseconds on any link; seconds mean the read
+    waited for something, typically the prefill node's NIXL agent: over a two-sided
+    transport (UCX over TCP) an idle prefill engine progresses the read only at its next
+    step or lease reaping (seen on the reference fleet: 30 s, the prefill lease).
+    """
+    d = turn.decode
+    t = d.transfer if d is not None else None
+    if t is None or t.outcome not in (None, names.TRANSFER_OK):
+        return None  # failures are kv_transfer_failed's
+    wait = t.wait_s or t.xfer_s
+    if not wait or wait < SLOW_HANDOFF_MIN_S or wait < SLOW_HANDOFF_SHARE * max(turn.request_s, wait):
+        return None
+    posted = t.post_s is not None and t.post_s >= 0.5 * wait
+    evidence = {
+        "direction": t.direction,
+        "wait_s": _r(t.wait_s, 4),
+        "xfer_s": _r(t.xfer_s, 4),
+        "post_s": _r(t.post_s, 4),
+        "bytes": t.bytes,
+        "backend": t.backend,
+        "request_s": _r(turn.request_s),
+    }
+    size = f"{t.bytes / 1024:.0f} KiB" if t.bytes else "the KV"
+    post_text = f"; posting the read alone took {t.post_s:.2f}s" if posted and t.post_s is not None else ""
+    return Diagnosis(
+        names.DIAG_SLOW_KV_HANDOFF,
+        TITLES[names.DIAG_SLOW_KV_HANDOFF],
+        f"The decode node waited {wait:.2f}s for {size} from the prefill node "
+        f"({t.direction} over {t.backend or 'NIXL'}){post_text}.",
+        evidence,
+        "A read that blocks for seconds is waiting on the remote NIXL agent, not the wire: make "
+        "reads one-sided (UCX_TLS with rc/cuda_ipc on GPUs, cma or sm between processes of one "
+        "host, not tcp alone), keep the prefill engines' NIXL progress thread on, and compare "
+        "with vllm:nixl_post_time_seconds / vllm:nixl_xfer_time_seconds on the prefill node.",
+        wait,
+    )
+
+
 # ------------------------------------------------------------------ where the time went
 
 
@@ -626,6 +673,7 @@ CHECKS: tuple[Check, ...] = (
     check_no_conversation_id,
     check_below_threshold,
     check_pull_slower,
+    check_slow_handoff,
     check_queueing,
     check_tool_wait,
     check_app_work,

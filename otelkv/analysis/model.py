@@ -570,7 +570,13 @@ def _phases(turn: Turn, turn_span: SpanRecord | None, tools: list[SpanRecord]) -
     stream_ttft = turn.ttft_s if (turn.stream and turn.ttft_s is not None) else None
     engine_ttft = None
     if stream_ttft is None and turn.prefill is not None and turn.prefill.end_ns > turn.start_ns:
-        engine_ttft = (turn.prefill.end_ns - turn.start_ns) / 1e9
+        # The client's first token is the decode node's, produced once the prefill node's
+        # KV has arrived there: the hand-off wait is input processing, not generation.
+        first_token_ns = turn.prefill.end_ns
+        handoff = turn.decode.transfer if turn.decode is not None else None
+        if handoff is not None and handoff.end_ns > first_token_ns:
+            first_token_ns = handoff.end_ns
+        engine_ttft = (first_token_ns - turn.start_ns) / 1e9
     phases = turn_phases(gap, turn.request_s, stream_ttft_s=stream_ttft, engine_ttft_s=engine_ttft)
     if turn.ttft_s is None and phases.ttft_source != names.TTFT_SOURCE_RESPONSE:
         turn.ttft_s = phases.input_processing_s

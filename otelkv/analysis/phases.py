@@ -107,8 +107,9 @@ def split_request(
     """(input processing, generation, ttft source) of the request itself.
 
     A streamed first chunk is measured directly. For a non-streaming response the client
-    sees nothing before the end; the prefill node's span end (relative to the request
-    start) bounds when the first token existed. Without either, the whole response counts
+    sees nothing before the end; the prefill node's span end, or the end of the decode
+    node's read of its KV when later (relative to the request start), bounds when the
+    first token existed. Without either, the whole response counts
     as input processing, and the source says so.
     """
     request_s = max(request_s, 0.0)

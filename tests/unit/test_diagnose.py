@@ -59,6 +59,7 @@ def turn_trace(
     prefill_resource: dict[str, Any] | None = None,
     decode: dict[str, Any] | None = None,
     decode_transfer: dict[str, Any] | None = None,
+    decode_transfer_s: float = 0.02,
     decode_resource: dict[str, Any] | None = None,
     retention: dict[str, Any] | None = None,
     engines: bool = True,
@@ -231,7 +232,7 @@ def turn_trace(
             "kv_transfer P->D",
             "Internal",
             p_end,
-            p_end + S // 50,
+            p_end + int(decode_transfer_s * S),
             dt,
             d_span.resource,
             scope_name=names.SCOPE_ENGINE,
@@ -363,13 +364,20 @@ def test_agent_tool_spans_override_message_split(form: Any) -> None:
 
 @FORMS
 def test_non_streaming_first_token_bounded_by_prefill_span(form: Any) -> None:
+    # The decode node's first token follows its read of the prefill KV (ends 0.72 s in).
     cur = turn_trace(index=0, stream=False, request_s=2.0, prefill_span=(0.1, 0.7))
     turn = build_turn(form(cur))
     assert turn is not None and turn.phases is not None
     assert turn.phases.ttft_source == names.TTFT_SOURCE_ENGINE
-    assert turn.phases.input_processing_s == pytest.approx(0.7)
-    assert turn.phases.generation_s == pytest.approx(1.3)
-    assert turn.ttft_s == pytest.approx(0.7)
+    assert turn.phases.input_processing_s == pytest.approx(0.72)
+    assert turn.phases.generation_s == pytest.approx(1.28)
+    assert turn.ttft_s == pytest.approx(0.72)
+    # A hand-off that waited (the read of an idle prefill node) is input processing too.
+    slow = turn_trace(index=0, stream=False, request_s=31.0, prefill_span=(0.1, 0.3), decode_transfer_s=30.0)
+    slow_turn = build_turn(form(slow))
+    assert slow_turn is not None and slow_turn.phases is not None
+    assert slow_turn.phases.input_processing_s == pytest.approx(30.3)
+    assert slow_turn.phases.generation_s == pytest.approx(0.7)
     no_engines = build_turn(form(turn_trace(index=0, stream=False, request_s=2.0, engines=False)))
     assert no_engines is not None and no_engines.phases is not None
     assert no_engines.phases.ttft_source == names.TTFT_SOURCE_RESPONSE
@@ -589,6 +597,42 @@ def test_stuck_waiting_for_remote_kv(form: Any) -> None:
     assert d.id == names.DIAG_STUCK_WAITING_FOR_REMOTE_KV and d.evidence["remote_kv_wait_s"] == 30.0
     _, ok = pair()
     assert names.DIAG_STUCK_WAITING_FOR_REMOTE_KV not in ids(build_turn(form(ok)) or Turn("x", "x"))
+
+
+@FORMS
+def test_slow_kv_handoff(form: Any) -> None:
+    # The fleet's case: decode's read of an idle prefill node blocked in posting for 30 s.
+    slow = turn_trace(
+        index=0,
+        stream=False,
+        request_s=31.0,
+        prefill_span=(0.1, 0.3),
+        decode_transfer_s=30.0,
+        decode_transfer={
+            names.TRANSFER_WAIT_SECONDS: 30.02,
+            names.TRANSFER_XFER_SECONDS: 30.021,
+            names.TRANSFER_POST_SECONDS: 30.01,
+            names.TRANSFER_BYTES: 65536,
+        },
+    )
+    turn = build_turn(form(slow)) or Turn("x", "x")
+    found = diagnose(turn)
+    assert found[0].id == names.DIAG_SLOW_KV_HANDOFF, [d.id for d in found]
+    d = found[0]
+    assert d.cost_s == pytest.approx(30.02)
+    assert d.evidence["post_s"] == pytest.approx(30.01) and d.evidence["bytes"] == 65536
+    assert "waited 30.02s for 64 KiB" in d.summary and "posting the read alone took 30.01s" in d.summary
+    # The wait is explained input processing, so it is not queueing as well.
+    assert names.DIAG_QUEUEING not in [x.id for x in found]
+    # Under a second, or a small share of a long request: not a diagnosis.
+    fast = turn_trace(
+        index=0, stream=False, request_s=2.0, decode_transfer={names.TRANSFER_WAIT_SECONDS: 0.9}
+    )
+    assert names.DIAG_SLOW_KV_HANDOFF not in ids(build_turn(form(fast)) or Turn("x", "x"))
+    small = turn_trace(
+        index=0, stream=False, request_s=20.0, decode_transfer={names.TRANSFER_WAIT_SECONDS: 1.5}
+    )
+    assert names.DIAG_SLOW_KV_HANDOFF not in ids(build_turn(form(small)) or Turn("x", "x"))
 
 
 @FORMS
