@@ -59,6 +59,12 @@ def _thread_cpu(prefixes: tuple[str, ...]) -> float:
 
 ERRORS: dict[str, int] = {}
 """Failed turns per URL (a failed turn ends its conversation; the agent starts another)."""
+LATENCIES: dict[str, list[float]] = {}
+"""Seconds per successful turn, per URL. The median is robust to the multi-second stalls of
+KV reads of an idle engine that this 2-core machine shows (docs/diagnoses.md,
+slow_kv_handoff), which make turns/s over a 30 s round swing by 2x on their own."""
+STALL_S = 5.0
+"""A turn slower than this counts as stalled (a tiny-model turn takes well under 1 s)."""
 
 
 async def saturate(url: str, concurrency: int, seconds: float, turns: int, tag: str) -> int:
@@ -77,6 +83,7 @@ async def saturate(url: str, concurrency: int, seconds: float, turns: int, tag: 
                 words = " ".join(WORDS[(t + k + i) % len(WORDS)] for i in range(24))
                 messages.append({"role": "user", "content": f"turn {t}: {words}"})
                 body = {"model": "tiny-llama", "messages": messages, "max_tokens": 8, "temperature": 0}
+                sent = time.monotonic()
                 async with session.post(
                     url + "/v1/chat/completions",
                     json=body,
@@ -88,6 +95,7 @@ async def saturate(url: str, concurrency: int, seconds: float, turns: int, tag: 
                     print(f"  {tag}: turn failed with {resp.status}: {str(data)[:160]}", flush=True)
                     break
                 done += 1
+                LATENCIES.setdefault(url, []).append(time.monotonic() - sent)
                 messages.append(data["choices"][0]["message"])
                 if time.monotonic() >= deadline:
                     return
@@ -116,6 +124,7 @@ def main() -> int:
         # A short warm-up through both paths (NIXL handshakes, prefix caches).
         asyncio.run(saturate(direct, 2, 5, 2, "warm-d"))
         asyncio.run(saturate(sidecar, 2, 5, 2, "warm-s"))
+        LATENCIES.clear()
         rates: dict[str, list[float]] = {"direct": [], "sidecar": []}
         cpu: dict[str, list[tuple[float, float, float]]] = {"direct": [], "sidecar": []}
         order = []
@@ -147,8 +156,24 @@ def main() -> int:
     s_turns = sum(c[0] for c in cpu["sidecar"])
     fleet_ms = 1e3 * sum(c[1] for c in cpu["sidecar"]) / max(s_turns, 1)
     side_ms = 1e3 * sum(c[2] for c in cpu["sidecar"]) / max(s_turns, 1)
+    lat_d, lat_s = LATENCIES.get(direct, [0.0]), LATENCIES.get(sidecar, [0.0])
+    med_d, med_s = statistics.median(lat_d), statistics.median(lat_s)
+    stalled_d = sum(x > STALL_S for x in lat_d)
+    stalled_s = sum(x > STALL_S for x in lat_s)
     rows = [
         ("turns/s at saturation (median)", f"{d:.2f}", f"{s:.2f}", f"ratio {s / d:.3f}"),
+        (
+            "turn latency, median",
+            f"{med_d * 1e3:.0f} ms",
+            f"{med_s * 1e3:.0f} ms",
+            f"direct/sidecar {med_d / med_s:.3f}",
+        ),
+        (
+            f"turns stalled > {STALL_S:g} s",
+            f"{stalled_d}/{len(lat_d)}",
+            f"{stalled_s}/{len(lat_s)}",
+            "",
+        ),
         ("failed turns", str(ERRORS.get(direct, 0)), str(ERRORS.get(sidecar, 0)), ""),
         (
             "turns/s, every round",
@@ -171,7 +196,13 @@ def main() -> int:
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"rates": rates, "fleet_cpu_ms_per_turn": fleet_ms, "sidecar_cpu_ms_per_turn": side_ms},
+                {
+                    "rates": rates,
+                    "latency_median_s": {"direct": med_d, "sidecar": med_s},
+                    "stalled": {"direct": stalled_d, "sidecar": stalled_s},
+                    "fleet_cpu_ms_per_turn": fleet_ms,
+                    "sidecar_cpu_ms_per_turn": side_ms,
+                },
                 indent=2,
             )
         )
