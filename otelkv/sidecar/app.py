@@ -174,6 +174,8 @@ class Sidecar:
     def _proxy_counters(self, counters: dict[str, int]) -> None:
         if counters.get("upstream_errors"):
             self.metrics.upstream_errors.inc(counters["upstream_errors"])
+        if counters.get("requests_refused"):
+            self.metrics.requests_refused.inc(counters["requests_refused"])
         if counters.get("turns_dropped"):
             self.metrics.dropped.labels("proxy_channel_full").inc(counters["turns_dropped"])
 

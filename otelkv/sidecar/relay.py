@@ -43,6 +43,11 @@ UPSTREAM_IDLE_S = 4.0
 CLIENT_IDLE_S = 75.0
 CONNECT_TIMEOUT_S = 10.0
 _MAX_PIPELINED = 16
+MAX_HEAD_BYTES = 1 << 20
+"""A request line plus headers larger than this is refused (431). httptools buffers a head
+without limit (by repeated concatenation: quadratic CPU), so this bounds both the memory
+and the CPU one client can take from every other. Counted per read, so up to one read of
+the previous body may be counted too: the cap is far above any real head for that reason."""
 
 _HOP_BY_HOP = frozenset(
     {
@@ -307,6 +312,7 @@ class _Client(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._writing_paused = False  # the client transport is over its high-water mark
         self._refusal: bytes | None = None  # an error response owed after the pending ones
+        self._head_bytes: int | None = None  # bytes of a request head still being read
         self._continue_due = False  # a 100 Continue owed once the pending responses are sent
 
     # asyncio callbacks
@@ -322,8 +328,18 @@ class _Client(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(501, "Not Implemented", "protocol upgrades are not proxied by otelkv")
+            return
         except httptools.HttpParserError as exc:
             self._refuse(400, "Bad Request", f"malformed HTTP request: {exc}")
+            return
+        if self._head_bytes is not None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(
+                    431,
+                    "Request Header Fields Too Large",
+                    f"request line and headers over {MAX_HEAD_BYTES} bytes",
+                )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -352,6 +368,7 @@ class _Client(asyncio.Protocol):
 
     # httptools callbacks
     def on_message_begin(self) -> None:
+        self._head_bytes = 0
         self._req = Request(headers=[])
         self._body = []
         self._body_len = 0
@@ -364,6 +381,7 @@ class _Client(asyncio.Protocol):
         self._req.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._head_bytes = None
         req = self._req
         req.method = self.parser.get_method()
         req.version = self.parser.get_http_version()
@@ -526,6 +544,7 @@ class _Client(asyncio.Protocol):
     def _refuse(self, status: int, reason: str, message: str) -> None:
         if self.closing or self._refusal is not None:
             return
+        self.relay.count("requests_refused")
         response = _error_response(status, reason, message, close=True)
         if self.current is None:
             self.write(response)
