@@ -28,6 +28,7 @@ from aiohttp import web
 from otelkv import __version__, names
 from otelkv.sidecar.api import QueryApi, token_guard
 from otelkv.sidecar.forward import CollectorForwarder
+from otelkv.sidecar.identity import MAX_ID_CHARS, IdPolicy
 from otelkv.sidecar.metrics import SidecarMetrics
 from otelkv.sidecar.otlp import SpanRecord
 from otelkv.sidecar.pipeline import SpanPipeline
@@ -57,6 +58,10 @@ class SidecarConfig:
     retention_days: int = 7
     inject_session_header: bool = True
     inject_body_conversation_id: bool = False
+    conversation_id_max_chars: int = MAX_ID_CHARS
+    """Client conversation ids longer than this are replaced by ``h-`` + a hash of them."""
+    hash_conversation_ids: bool = False
+    """Replace every client conversation id by its hash (none kept in clear; docs/security.md)."""
     token: str | None = field(default_factory=lambda: os.environ.get(names.ENV_SIDECAR_TOKEN) or None)
     service_name: str = "otelkv-sidecar"
     max_body_bytes: int = 32 * 1024 * 1024
@@ -116,7 +121,8 @@ class Sidecar:
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
         self.metrics = SidecarMetrics()
-        self.tools = ToolSpanIndex()
+        policy = IdPolicy(config.conversation_id_max_chars, config.hash_conversation_ids)
+        self.tools = ToolSpanIndex(id_policy=policy)
         self.store: Any = None
         self.writer: Any = None
         self.source: Any = None
@@ -137,6 +143,7 @@ class Sidecar:
             max_body_bytes=config.max_body_bytes,
             inject_session_header=config.inject_session_header,
             inject_body_conversation_id=config.inject_body_conversation_id,
+            id_policy=policy,
         )
         self.receiver = OtlpReceiver(self.pipeline, self.metrics)
         self._proxy_started = False
