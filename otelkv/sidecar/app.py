@@ -96,7 +96,10 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def serve(self, app: web.Application, host: str, port: int) -> int:
-        self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # No auto_decompress: aiohttp would inflate gzip bodies itself, without the OTLP
+        # decoder's zip-bomb limit, answer a bad gzip with a 500, and hand the decoder an
+        # inflated body it then tried to inflate again (every gzip export refused).
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, reuse_address=True)
         await site.start()
