@@ -131,6 +131,13 @@ def _time_ns(value: Any, what: str) -> int:
     return ns
 
 
+def _id_bytes(value: bytes, nbytes: int, what: str) -> str:
+    """A protobuf trace/span id as hex: exactly ``nbytes`` long, or empty (no parent)."""
+    if value and len(value) != nbytes:
+        raise OtlpDecodeError(f"{what} must be {nbytes} bytes, got {len(value)}")
+    return value.hex()
+
+
 def decode_protobuf(body: bytes) -> list[SpanRecord]:
     request = ExportTraceServiceRequest()
     try:
@@ -145,9 +152,9 @@ def decode_protobuf(body: bytes) -> list[SpanRecord]:
             for span in scope_spans.spans:
                 out.append(
                     SpanRecord(
-                        trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
+                        trace_id=_id_bytes(span.trace_id, 16, "traceId"),
+                        span_id=_id_bytes(span.span_id, 8, "spanId"),
+                        parent_span_id=_id_bytes(span.parent_span_id, 8, "parentSpanId"),
                         name=span.name,
                         kind=_SPAN_KINDS.get(span.kind, "Unspecified"),
                         start_ns=_time_ns(span.start_time_unix_nano, "startTimeUnixNano"),
@@ -169,8 +176,8 @@ def decode_protobuf(body: bytes) -> list[SpanRecord]:
                         ],
                         links=[
                             {
-                                "trace_id": link.trace_id.hex(),
-                                "span_id": link.span_id.hex(),
+                                "trace_id": _id_bytes(link.trace_id, 16, "link traceId"),
+                                "span_id": _id_bytes(link.span_id, 8, "link spanId"),
                                 "attributes": _attrs(link.attributes),
                             }
                             for link in span.links
