@@ -9,6 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
+from otelkv.sidecar.identity import MAX_ID_CHARS
+
 
 def add_sidecar_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
@@ -47,6 +49,18 @@ def add_sidecar_command(sub: argparse._SubParsersAction) -> None:  # type: ignor
     p.add_argument(
         "--no-session-header", action="store_true", help="do not add X-Session-ID to upstream requests"
     )
+    p.add_argument(
+        "--conversation-id-max-chars",
+        type=int,
+        default=MAX_ID_CHARS,
+        metavar="N",
+        help=f"client conversation ids longer than this are kept as a hash of them (default {MAX_ID_CHARS})",
+    )
+    p.add_argument(
+        "--hash-conversation-ids",
+        action="store_true",
+        help="keep every client conversation id as a hash of it, never in clear (docs/security.md)",
+    )
 
 
 def _host_port(value: str, flag: str) -> tuple[str, int]:
@@ -76,6 +90,8 @@ def run_sidecar(args: argparse.Namespace) -> int:
         retention_days=args.retention_days,
         inject_session_header=not args.no_session_header,
         inject_body_conversation_id=args.body_conversation_id,
+        conversation_id_max_chars=args.conversation_id_max_chars,
+        hash_conversation_ids=args.hash_conversation_ids,
     )
     try:
         sidecar = Sidecar(config).start()

@@ -64,7 +64,7 @@ class SpanSink:
                     spans = decode_traces(body, ctype, self.headers.get("Content-Encoding"))
                 except OtlpDecodeError as exc:
                     sink.rejected += 1
-                    self._reply(400, f"{exc}\n".encode(), "text/plain")
+                    self._reply(exc.status, f"{exc}\n".encode(), "text/plain")
                     return
                 sink.add(spans)
                 if (ctype or "").startswith("application/json"):

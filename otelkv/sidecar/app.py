@@ -28,6 +28,7 @@ from aiohttp import web
 from otelkv import __version__, names
 from otelkv.sidecar.api import QueryApi, token_guard
 from otelkv.sidecar.forward import CollectorForwarder
+from otelkv.sidecar.identity import MAX_ID_CHARS, IdPolicy
 from otelkv.sidecar.metrics import SidecarMetrics
 from otelkv.sidecar.otlp import SpanRecord
 from otelkv.sidecar.pipeline import SpanPipeline
@@ -57,6 +58,10 @@ class SidecarConfig:
     retention_days: int = 7
     inject_session_header: bool = True
     inject_body_conversation_id: bool = False
+    conversation_id_max_chars: int = MAX_ID_CHARS
+    """Client conversation ids longer than this are replaced by ``h-`` + a hash of them."""
+    hash_conversation_ids: bool = False
+    """Replace every client conversation id by its hash (none kept in clear; docs/security.md)."""
     token: str | None = field(default_factory=lambda: os.environ.get(names.ENV_SIDECAR_TOKEN) or None)
     service_name: str = "otelkv-sidecar"
     max_body_bytes: int = 32 * 1024 * 1024
@@ -91,7 +96,10 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def serve(self, app: web.Application, host: str, port: int) -> int:
-        self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # No auto_decompress: aiohttp would inflate gzip bodies itself, without the OTLP
+        # decoder's zip-bomb limit, answer a bad gzip with a 500, and hand the decoder an
+        # inflated body it then tried to inflate again (every gzip export refused).
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, reuse_address=True)
         await site.start()
@@ -116,7 +124,8 @@ class Sidecar:
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
         self.metrics = SidecarMetrics()
-        self.tools = ToolSpanIndex()
+        policy = IdPolicy(config.conversation_id_max_chars, config.hash_conversation_ids)
+        self.tools = ToolSpanIndex(id_policy=policy)
         self.store: Any = None
         self.writer: Any = None
         self.source: Any = None
@@ -137,6 +146,7 @@ class Sidecar:
             max_body_bytes=config.max_body_bytes,
             inject_session_header=config.inject_session_header,
             inject_body_conversation_id=config.inject_body_conversation_id,
+            id_policy=policy,
         )
         self.receiver = OtlpReceiver(self.pipeline, self.metrics)
         self._proxy_started = False
@@ -174,6 +184,8 @@ class Sidecar:
     def _proxy_counters(self, counters: dict[str, int]) -> None:
         if counters.get("upstream_errors"):
             self.metrics.upstream_errors.inc(counters["upstream_errors"])
+        if counters.get("requests_refused"):
+            self.metrics.requests_refused.inc(counters["requests_refused"])
         if counters.get("turns_dropped"):
             self.metrics.dropped.labels("proxy_channel_full").inc(counters["turns_dropped"])
 

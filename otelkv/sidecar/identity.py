@@ -7,23 +7,30 @@ it fingerprints the conversation's prefix (system prompt and first user message:
 resend the whole history, so those stay the same on every turn) and marks the id as
 inferred, which ``otelkv why`` reports.
 
-Ids are client input: they are length-capped and control characters are refused, so a
-hostile id can neither bloat the store nor break a log line.
+Ids are client input: they are length-capped (longer ones are replaced by a hash of
+themselves) and ids with control characters, lone surrogates or line separators are
+refused, so a hostile id can neither bloat the store nor break a log line or a header.
+An operator who must not keep client ids in clear can have every one hashed
+(:class:`IdPolicy`, ``otelkv sidecar --hash-conversation-ids``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 MAX_ID_CHARS = 256
-"""Longer ids are hashed (``h-`` + 32 hex): still stable, bounded in size."""
+"""Default cap: longer ids are hashed (``h-`` + 32 hex): still stable, bounded in size."""
 
 FINGERPRINT_PREFIX = "fp-"
+HASH_PREFIX = "h-"
+# C0, DEL, C1, lone surrogates (not encodable, so never sendable as a header), U+2028/9.
+_UNUSABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _BAGGAGE_KEYS = ("gen_ai.conversation.id", "conversation_id", "conversation.id", "session.id", "session_id")
 _FINGERPRINT_PROMPT_CHARS = 512
 
@@ -36,18 +43,40 @@ class ConversationIdentity:
     inferred: bool
 
 
-def clean_id(raw: Any) -> str | None:
-    """A usable id, or None. Over-long ids are hashed; control characters disqualify."""
+@dataclass(frozen=True)
+class IdPolicy:
+    """How client-supplied conversation ids are kept (one per sidecar, from its config)."""
+
+    max_chars: int = MAX_ID_CHARS
+    """Ids longer than this are replaced by their hash."""
+    hash_all: bool = False
+    """Replace every client id by its hash: the store never holds one in clear."""
+
+    def __post_init__(self) -> None:
+        if self.max_chars < 1:
+            raise ValueError(f"conversation id cap must be at least 1 character, got {self.max_chars}")
+
+
+DEFAULT_POLICY = IdPolicy()
+
+
+def hashed_id(value: str) -> str:
+    """A stable stand-in for ``value``: the same id always gives the same hash."""
+    return HASH_PREFIX + hashlib.sha256(value.encode("utf-8")).hexdigest()[:32]
+
+
+def clean_id(raw: Any, policy: IdPolicy = DEFAULT_POLICY) -> str | None:
+    """A usable id, or None. Over-long ids are hashed; unusable characters disqualify."""
     if not isinstance(raw, str):
         if isinstance(raw, int) and not isinstance(raw, bool):
             raw = str(raw)
         else:
             return None
     value = raw.strip()
-    if not value or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):  # C0, DEL, C1
+    if not value or _UNUSABLE.search(value) is not None:
         return None
-    if len(value) > MAX_ID_CHARS:
-        return "h-" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    if policy.hash_all or len(value) > policy.max_chars:
+        return hashed_id(value)
     return value
 
 
@@ -108,7 +137,9 @@ def fingerprint(body: Mapping[str, Any]) -> str | None:
     return FINGERPRINT_PREFIX + digest
 
 
-def identify(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> ConversationIdentity | None:
+def identify(
+    headers: Mapping[str, str], body: Mapping[str, Any] | None, policy: IdPolicy = DEFAULT_POLICY
+) -> ConversationIdentity | None:
     """The conversation of a request, by the order of precedence above (None: no clue at all)."""
     candidates: list[tuple[str, Any]] = [
         ("header_conversation_id", headers.get("X-Conversation-Id")),
@@ -121,7 +152,7 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> Conv
         ]
     candidates.append(("baggage", baggage_value(headers.get("baggage"))))
     for source, raw in candidates:
-        value = clean_id(raw)
+        value = clean_id(raw, policy)
         if value is not None:
             return ConversationIdentity(value, source, False)
     if body is not None:

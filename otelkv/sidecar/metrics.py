@@ -91,7 +91,14 @@ class SidecarMetrics:
             names.METRIC_SIDECAR_SPANS_DROPPED, "Spans that did not reach the store.", ["reason"], registry=r
         )
         self.otlp_rejected = Counter(
-            names.METRIC_SIDECAR_OTLP_REJECTED, "OTLP exports refused as malformed.", registry=r
+            names.METRIC_SIDECAR_OTLP_REJECTED,
+            "OTLP exports refused (malformed, too large, media type).",
+            registry=r,
+        )
+        self.requests_refused = Counter(
+            names.METRIC_SIDECAR_REQUESTS_REFUSED,
+            "Client requests refused by the proxy (malformed, too large, upgrade).",
+            registry=r,
         )
         self.upstream_errors = Counter(
             names.METRIC_SIDECAR_UPSTREAM_ERRORS, "Requests the upstream could not answer.", registry=r

@@ -31,8 +31,19 @@ _KIND_NAMES = {f"SPAN_KIND_{v.upper()}": k for k, v in _SPAN_KINDS.items()}
 _STATUS_NAMES = {f"STATUS_CODE_{v.upper()}": k for k, v in _STATUS_CODES.items()}
 
 
+MAX_TIME_NS = 2**63 - 1
+"""Timestamps past this (year 2262) are refused: the store keeps signed 64-bit nanoseconds,
+and one such span would fail the whole batch it is written with."""
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 class OtlpDecodeError(ValueError):
-    """The body is not a valid OTLP trace export."""
+    """The body is not a valid OTLP trace export; ``status`` is the HTTP answer the OTLP/HTTP
+    spec asks for (400 bad data, 413 too large, 415 unsupported media type or encoding)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -78,11 +89,13 @@ def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_
     elif encoding == "deflate":
         inflater = zlib.decompressobj()
     else:
-        raise OtlpDecodeError(f"unsupported Content-Encoding {encoding!r} (use gzip, deflate or none)")
+        raise OtlpDecodeError(
+            f"unsupported Content-Encoding {encoding!r} (use gzip, deflate or none)", status=415
+        )
     try:
         out = inflater.decompress(body, limit + 1)
         if len(out) > limit:
-            raise OtlpDecodeError(f"decompressed body larger than {limit} bytes")
+            raise OtlpDecodeError(f"decompressed body larger than {limit} bytes", status=413)
         if not inflater.eof:
             raise OtlpDecodeError(f"body is not valid {encoding}: truncated stream")
     except zlib.error as exc:
@@ -110,6 +123,21 @@ def _attrs(kvs: Any) -> dict[str, Any]:
     return {kv.key: _any_value(kv.value) for kv in kvs}
 
 
+def _time_ns(value: Any, what: str) -> int:
+    """An OTLP timestamp the store can hold (JSON: number or decimal string)."""
+    ns = int(value or 0)
+    if not 0 <= ns <= MAX_TIME_NS:
+        raise OtlpDecodeError(f"{what} out of range (0 to {MAX_TIME_NS} ns): {str(value)[:40]}")
+    return ns
+
+
+def _id_bytes(value: bytes, nbytes: int, what: str) -> str:
+    """A protobuf trace/span id as hex: exactly ``nbytes`` long, or empty (no parent)."""
+    if value and len(value) != nbytes:
+        raise OtlpDecodeError(f"{what} must be {nbytes} bytes, got {len(value)}")
+    return value.hex()
+
+
 def decode_protobuf(body: bytes) -> list[SpanRecord]:
     request = ExportTraceServiceRequest()
     try:
@@ -124,13 +152,13 @@ def decode_protobuf(body: bytes) -> list[SpanRecord]:
             for span in scope_spans.spans:
                 out.append(
                     SpanRecord(
-                        trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
+                        trace_id=_id_bytes(span.trace_id, 16, "traceId"),
+                        span_id=_id_bytes(span.span_id, 8, "spanId"),
+                        parent_span_id=_id_bytes(span.parent_span_id, 8, "parentSpanId"),
                         name=span.name,
                         kind=_SPAN_KINDS.get(span.kind, "Unspecified"),
-                        start_ns=span.start_time_unix_nano,
-                        end_ns=span.end_time_unix_nano,
+                        start_ns=_time_ns(span.start_time_unix_nano, "startTimeUnixNano"),
+                        end_ns=_time_ns(span.end_time_unix_nano, "endTimeUnixNano"),
                         attributes=_attrs(span.attributes),
                         resource=resource,
                         scope_name=scope.name,
@@ -139,13 +167,17 @@ def decode_protobuf(body: bytes) -> list[SpanRecord]:
                         status_message=span.status.message,
                         trace_state=span.trace_state,
                         events=[
-                            {"time_ns": e.time_unix_nano, "name": e.name, "attributes": _attrs(e.attributes)}
+                            {
+                                "time_ns": _time_ns(e.time_unix_nano, "event timeUnixNano"),
+                                "name": e.name,
+                                "attributes": _attrs(e.attributes),
+                            }
                             for e in span.events
                         ],
                         links=[
                             {
-                                "trace_id": link.trace_id.hex(),
-                                "span_id": link.span_id.hex(),
+                                "trace_id": _id_bytes(link.trace_id, 16, "link traceId"),
+                                "span_id": _id_bytes(link.span_id, 8, "link spanId"),
                                 "attributes": _attrs(link.attributes),
                             }
                             for link in span.links
@@ -167,7 +199,10 @@ def _json_any(value: Any) -> Any:
     if key == "boolValue":
         return bool(inner)
     if key == "intValue":
-        return int(inner)
+        number = int(inner)
+        if not _INT64[0] <= number <= _INT64[1]:
+            raise OtlpDecodeError(f"intValue out of the int64 range: {str(inner)[:40]}")
+        return number
     if key == "doubleValue":
         return float(inner)
     if key == "bytesValue":
@@ -238,8 +273,8 @@ def decode_json(body: bytes) -> list[SpanRecord]:
                             parent_span_id=_hex_id(span.get("parentSpanId"), 8, "parentSpanId"),
                             name=str(span.get("name", "")),
                             kind=_SPAN_KINDS.get(_enum(span.get("kind"), _KIND_NAMES), "Unspecified"),
-                            start_ns=int(span.get("startTimeUnixNano") or 0),
-                            end_ns=int(span.get("endTimeUnixNano") or 0),
+                            start_ns=_time_ns(span.get("startTimeUnixNano"), "startTimeUnixNano"),
+                            end_ns=_time_ns(span.get("endTimeUnixNano"), "endTimeUnixNano"),
                             attributes=_json_attrs(span.get("attributes", [])),
                             resource=resource,
                             scope_name=str(scope.get("name", "")),
@@ -249,7 +284,7 @@ def decode_json(body: bytes) -> list[SpanRecord]:
                             trace_state=str(span.get("traceState", "")),
                             events=[
                                 {
-                                    "time_ns": int(e.get("timeUnixNano") or 0),
+                                    "time_ns": _time_ns(e.get("timeUnixNano"), "event timeUnixNano"),
                                     "name": str(e.get("name", "")),
                                     "attributes": _json_attrs(e.get("attributes", [])),
                                 }
@@ -265,7 +300,7 @@ def decode_json(body: bytes) -> list[SpanRecord]:
                             ],
                         )
                     )
-    except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+    except (AttributeError, TypeError, ValueError, OverflowError, RecursionError) as exc:
         if isinstance(exc, OtlpDecodeError):
             raise
         raise OtlpDecodeError(f"malformed OTLP JSON: {exc}") from None
@@ -274,12 +309,12 @@ def decode_json(body: bytes) -> list[SpanRecord]:
 
 def decode_traces(body: bytes, content_type: str | None, content_encoding: str | None) -> list[SpanRecord]:
     """Decode one OTLP/HTTP traces export by its content type."""
-    data = decompress(body, content_encoding)
     ctype = (content_type or "").split(";")[0].strip().lower()
     if ctype in ("application/x-protobuf", "application/protobuf"):
-        return decode_protobuf(data)
+        return decode_protobuf(decompress(body, content_encoding))
     if ctype == "application/json":
-        return decode_json(data)
+        return decode_json(decompress(body, content_encoding))
     raise OtlpDecodeError(
-        f"unsupported Content-Type {content_type!r}: use application/x-protobuf or application/json"
+        f"unsupported Content-Type {content_type!r}: use application/x-protobuf or application/json",
+        status=415,
     )

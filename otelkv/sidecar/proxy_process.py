@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otelkv.sidecar import channel
+from otelkv.sidecar.identity import DEFAULT_POLICY, IdPolicy
 
 logger = logging.getLogger("otelkv.sidecar")
 
@@ -40,6 +41,7 @@ class ProxyProcess:
         max_body_bytes: int = 32 * 1024 * 1024,
         inject_session_header: bool = True,
         inject_body_conversation_id: bool = False,
+        id_policy: IdPolicy = DEFAULT_POLICY,
     ) -> None:
         self.on_turns = on_turns
         self.on_counters = on_counters
@@ -51,6 +53,8 @@ class ProxyProcess:
             "--inject-body-conversation-id"
             if inject_body_conversation_id
             else "--no-inject-body-conversation-id",
+            *("--conversation-id-max-chars", str(id_policy.max_chars)),
+            "--hash-conversation-ids" if id_policy.hash_all else "--no-hash-conversation-ids",
         ]
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None

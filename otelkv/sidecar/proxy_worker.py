@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from otelkv.sidecar import channel
+from otelkv.sidecar.identity import MAX_ID_CHARS, IdPolicy
 from otelkv.sidecar.relay import Relay
 from otelkv.sidecar.turn_watch import TurnRecord, TurnWatcher
 
@@ -67,6 +68,7 @@ class Worker:
             self.emit,
             inject_session_header=args.inject_session_header,
             inject_body_conversation_id=args.inject_body_conversation_id,
+            id_policy=IdPolicy(args.conversation_id_max_chars, args.hash_conversation_ids),
         )
         self.relay: Relay | None = None
 
@@ -156,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     parser.add_argument("--inject-session-header", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--inject-body-conversation-id", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--conversation-id-max-chars", type=int, default=MAX_ID_CHARS)
+    parser.add_argument("--hash-conversation-ids", action=argparse.BooleanOptionalAction, default=False)
     return parser
 
 

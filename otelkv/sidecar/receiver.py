@@ -2,8 +2,9 @@
 
 Engines export with ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://<sidecar>:8801/v1/traces``;
 agents may send their ``execute_tool`` spans here too. The reply is what an OTLP
-collector answers, so exporters neither retry nor log errors; malformed exports get a
-400 with the reason (the OTLP spec: do not retry), and are counted.
+collector answers, so exporters neither retry nor log errors; refused exports get the
+status the OTLP/HTTP spec names (400 malformed, 413 too large, 415 unsupported content
+type or encoding; none of them retried) with the reason, are counted, and store nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class OtlpReceiver:
             spans = decode_traces(body, ctype, request.headers.get("Content-Encoding"))
         except OtlpDecodeError as exc:
             self.metrics.otlp_rejected.inc()
-            return web.Response(status=400, text=f"{exc}\n")
+            return web.Response(status=exc.status, text=f"{exc}\n")
         self.pipeline.accept(spans, "otlp")
         if (ctype or "").startswith("application/json"):
             return web.Response(body=b"{}", content_type="application/json")

@@ -43,6 +43,11 @@ UPSTREAM_IDLE_S = 4.0
 CLIENT_IDLE_S = 75.0
 CONNECT_TIMEOUT_S = 10.0
 _MAX_PIPELINED = 16
+MAX_HEAD_BYTES = 1 << 20
+"""A request line plus headers larger than this is refused (431). httptools buffers a head
+without limit (by repeated concatenation: quadratic CPU), so besides the exact size checked
+once the head is parsed, the bytes read while a head is still incomplete are counted too:
+that bounds the memory and CPU one endless head can take from every other client."""
 
 _HOP_BY_HOP = frozenset(
     {
@@ -307,6 +312,8 @@ class _Client(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._writing_paused = False  # the client transport is over its high-water mark
         self._refusal: bytes | None = None  # an error response owed after the pending ones
+        self._head_bytes: int | None = None  # bytes read while a request head is incomplete
+        self._head_size = 0  # exact size of the current head's URL, names and values
         self._continue_due = False  # a 100 Continue owed once the pending responses are sent
 
     # asyncio callbacks
@@ -322,8 +329,14 @@ class _Client(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(501, "Not Implemented", "protocol upgrades are not proxied by otelkv")
+            return
         except httptools.HttpParserError as exc:
             self._refuse(400, "Bad Request", f"malformed HTTP request: {exc}")
+            return
+        if self._head_bytes is not None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._head_too_large()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
@@ -352,18 +365,26 @@ class _Client(asyncio.Protocol):
 
     # httptools callbacks
     def on_message_begin(self) -> None:
+        self._head_bytes = 0
+        self._head_size = 0
         self._req = Request(headers=[])
         self._body = []
         self._body_len = 0
 
     def on_url(self, url: bytes) -> None:
         self._req.url += url
+        self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._req.headers is not None
         self._req.headers.append((name, value))
+        self._head_size += len(name) + len(value)
 
     def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        if self._head_size > MAX_HEAD_BYTES:
+            self._head_too_large()
+            return
         req = self._req
         req.method = self.parser.get_method()
         req.version = self.parser.get_http_version()
@@ -372,6 +393,11 @@ class _Client(asyncio.Protocol):
         # would forward it) before it raises HttpParserUpgrade.
         if self.parser.should_upgrade():
             self._refuse(501, "Not Implemented", "protocol upgrades are not proxied by otelkv")
+            return
+        if req.version not in ("1.0", "1.1"):  # llhttp reads HTTP/0.9 and 2.0 request lines too
+            self._refuse(
+                505, "HTTP Version Not Supported", f"HTTP/{req.version} is not proxied (use HTTP/1.1)"
+            )
             return
         length = req.header(b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.relay.max_body_bytes:
@@ -520,12 +546,18 @@ class _Client(asyncio.Protocol):
         except Exception:
             logger.exception("otelkv sidecar: could not end a turn")
 
+    def _head_too_large(self) -> None:
+        self._refuse(
+            431, "Request Header Fields Too Large", f"request line and headers over {MAX_HEAD_BYTES} bytes"
+        )
+
     def _too_large(self) -> None:
         self._refuse(413, "Payload Too Large", f"request body over {self.relay.max_body_bytes} bytes")
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
         if self.closing or self._refusal is not None:
             return
+        self.relay.count("requests_refused")
         response = _error_response(status, reason, message, close=True)
         if self.current is None:
             self.write(response)

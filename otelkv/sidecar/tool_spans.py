@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from otelkv import names
+from otelkv.sidecar.identity import DEFAULT_POLICY, IdPolicy, clean_id
 from otelkv.sidecar.otlp import SpanRecord
 
 _PER_KEY = 64
@@ -25,8 +26,9 @@ def is_tool_span(span: SpanRecord) -> bool:
 
 
 class ToolSpanIndex:
-    def __init__(self, capacity: int = 50_000) -> None:
+    def __init__(self, capacity: int = 50_000, *, id_policy: IdPolicy = DEFAULT_POLICY) -> None:
         self._capacity = capacity
+        self._id_policy = id_policy
         self._by_key: OrderedDict[str, deque[tuple[int, int]]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -36,8 +38,10 @@ class ToolSpanIndex:
             if not is_tool_span(span):
                 continue
             keys = []
-            conversation = span.attributes.get(names.GEN_AI_CONVERSATION_ID)
-            if isinstance(conversation, str) and conversation:
+            # The agent sends the id as it knows it; the turn was keyed by the id as the
+            # sidecar keeps it (over-long or hash mode: hashed), so look it up the same way.
+            conversation = clean_id(span.attributes.get(names.GEN_AI_CONVERSATION_ID), self._id_policy)
+            if conversation:
                 keys.append("c:" + conversation)
             call_id = span.attributes.get(names.GEN_AI_TOOL_CALL_ID)
             if isinstance(call_id, str) and call_id:

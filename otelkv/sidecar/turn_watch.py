@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otelkv.sidecar.conversations import ConversationTracker, TurnStart
-from otelkv.sidecar.identity import ConversationIdentity, identify
+from otelkv.sidecar.identity import DEFAULT_POLICY, ConversationIdentity, IdPolicy, identify
 from otelkv.sidecar.relay import LowerHeaders, Request, header_dict
 from otelkv.sidecar.response import RequestFacts, ResponseFacts, ResponseObserver, request_facts
 
@@ -159,11 +159,13 @@ class TurnWatcher:
         tracker: ConversationTracker | None = None,
         inject_session_header: bool = True,
         inject_body_conversation_id: bool = False,
+        id_policy: IdPolicy = DEFAULT_POLICY,
     ) -> None:
         self.emit = emit
         self.tracker = tracker or ConversationTracker()
         self.inject_session_header = inject_session_header
         self.inject_body_conversation_id = inject_body_conversation_id
+        self.id_policy = id_policy
         self._rand = random.Random()
 
     def _new_id(self, bits: int) -> str:
@@ -188,7 +190,7 @@ class TurnWatcher:
         except (ValueError, UnicodeDecodeError, RecursionError):
             parsed = None  # forwarded untouched; the upstream answers it
         headers = LowerHeaders(header_dict(req.headers))
-        identity = identify(headers, parsed)
+        identity = identify(headers, parsed, self.id_policy)
         parent = parse_traceparent(headers.get("traceparent"), headers.get("tracestate"))
         trace_id = parent.trace_id if parent else self._new_id(128)
         span_id = self._new_id(64)
@@ -203,7 +205,16 @@ class TurnWatcher:
             ),
         ]
         if identity is not None:
-            if self.inject_session_header and "x-session-id" not in headers:
+            # A client X-Session-ID that had to be hashed (over the cap, or hash mode) is
+            # replaced by its hash, so vLLM's session_id - hence the engine spans - carry the
+            # same id as the turn span, and no engine sees the id in clear or oversized.
+            if self.inject_session_header and (
+                "x-session-id" not in headers
+                or (
+                    identity.source == "header_session_id"
+                    and identity.conversation_id != headers["x-session-id"].strip()
+                )
+            ):
                 extra.append((b"X-Session-ID", identity.conversation_id.encode("utf-8")))
             if self.inject_body_conversation_id and parsed is not None and "conversation_id" not in parsed:
                 body = json.dumps({**parsed, "conversation_id": identity.conversation_id}).encode()

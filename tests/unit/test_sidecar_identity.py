@@ -7,6 +7,7 @@ from __future__ import annotations
 import unicodedata
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,9 +15,11 @@ from otelkv import names
 from otelkv.sidecar.identity import (
     FINGERPRINT_PREFIX,
     MAX_ID_CHARS,
+    IdPolicy,
     baggage_value,
     clean_id,
     fingerprint,
+    hashed_id,
     identify,
 )
 
@@ -247,3 +250,26 @@ def test_clean_id_property(raw: Any) -> None:
         assert 0 < len(value) <= MAX_ID_CHARS
         assert not _has_control(value)
         assert value == value.strip()
+
+
+def test_lone_surrogates_and_line_separators_disqualify() -> None:
+    """Ids that cannot be sent as a UTF-8 header, or would split a log line, are refused."""
+    for bad in ("a\ud800", "\udfffb", "a\u2028b", "a\u2029b"):
+        assert clean_id(bad) is None, repr(bad)
+    identity = identify({}, {"conversation_id": "x\ud800", "session_id": "ok"})
+    assert identity is not None and identity.conversation_id == "ok"
+
+
+def test_id_policy_cap_and_hash_mode() -> None:
+    """The cap is configurable; hash mode keeps every client id as a stable hash of it."""
+    short = IdPolicy(max_chars=4)
+    assert clean_id("abcd", short) == "abcd"
+    assert clean_id("abcde", short) == hashed_id("abcde")
+    hashing = IdPolicy(hash_all=True)
+    assert clean_id("conv-1", hashing) == hashed_id("conv-1") == clean_id(" conv-1 ", hashing)
+    identity = identify({"X-Conversation-Id": "conv-1"}, None, hashing)
+    assert identity is not None and identity.conversation_id == hashed_id("conv-1")
+    fp = identify({}, _chat(("user", "hi")), hashing)
+    assert fp is not None and fp.conversation_id.startswith(FINGERPRINT_PREFIX)  # already a digest
+    with pytest.raises(ValueError, match="at least 1"):
+        IdPolicy(max_chars=0)

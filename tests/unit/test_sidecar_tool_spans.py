@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from otelkv import names
+from otelkv.sidecar.identity import IdPolicy, hashed_id
 from otelkv.sidecar.otlp import SpanRecord
 from otelkv.sidecar.tool_spans import ToolSpanIndex, is_tool_span
 
@@ -68,3 +69,15 @@ def test_capacity_evicts_oldest_key() -> None:
         index.add([_span("execute_tool", 1, 2, **{names.GEN_AI_CONVERSATION_ID: cid})])
     assert index.intervals(0, 10, conversation_id="a") == []
     assert index.intervals(0, 10, conversation_id="c") == [(1, 2)]
+
+
+def test_agent_ids_are_keyed_as_the_sidecar_keeps_them() -> None:
+    """An agent sends the raw id; the turn is keyed by its hash (over the cap, or hash mode)."""
+    long_id = "L" * 1000
+    index = ToolSpanIndex()
+    index.add([_span("execute_tool a", 10, 20, **{names.GEN_AI_CONVERSATION_ID: long_id})])
+    assert index.intervals(0, 100, conversation_id=hashed_id(long_id)) == [(10, 20)]
+    hashing = ToolSpanIndex(id_policy=IdPolicy(hash_all=True))
+    hashing.add([_span("execute_tool a", 10, 20, **{names.GEN_AI_CONVERSATION_ID: "conv"})])
+    assert hashing.intervals(0, 100, conversation_id=hashed_id("conv")) == [(10, 20)]
+    assert hashing.intervals(0, 100, conversation_id="conv") == []

@@ -15,6 +15,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from otelkv import names
 from otelkv.sidecar import channel
 from otelkv.sidecar.forward import readable_span
+from otelkv.sidecar.identity import IdPolicy, hashed_id
 from otelkv.sidecar.metrics import SidecarMetrics
 from otelkv.sidecar.otlp import SpanRecord, decode_protobuf
 from otelkv.sidecar.recorder import TurnRecorder
@@ -119,6 +120,21 @@ def test_new_root_without_parent_and_orphan_tracestate_dropped() -> None:
     _, trace_id, span_id, _ = sent[b"traceparent"].decode().split("-")
     assert len(trace_id) == 32 and trace_id != "0" * 32 and len(span_id) == 16
     assert b"tracestate" in sent and sent[b"tracestate"] is None  # None: removed upstream
+
+
+def test_hashed_client_session_header_is_replaced_by_its_hash() -> None:
+    """Over the cap or in hash mode, vLLM gets the id the turn span carries, never the raw one."""
+    for policy, raw in ((IdPolicy(), "s" * 300), (IdPolicy(hash_all=True), "s-9")):
+        watcher = TurnWatcher(lambda r: None, id_policy=policy)
+        turn, extra, _ = watcher.begin(_request(_chat(), headers=[(b"X-Session-ID", raw.encode())]))
+        assert turn is not None and turn.identity is not None
+        assert turn.identity.conversation_id == hashed_id(raw)
+        assert dict(extra)[b"X-Session-ID"] == hashed_id(raw).encode()
+    # A hashed X-Conversation-Id leaves the client's own X-Session-ID alone.
+    watcher = TurnWatcher(lambda r: None, id_policy=IdPolicy(hash_all=True))
+    headers = [(b"X-Conversation-Id", b"c"), (b"X-Session-ID", b"s")]
+    _, extra, _ = watcher.begin(_request(_chat(), headers=headers))
+    assert b"X-Session-ID" not in dict(extra)
 
 
 def test_session_header_kept_and_body_injection_when_configured() -> None:

@@ -103,9 +103,9 @@ def test_overflowing_json_gets_400_not_a_dropped_connection(sink: SpanSink) -> N
     assert (status, reply) == (400, b"malformed OTLP JSON: cannot convert float infinity to integer\n")
 
 
-def test_unsupported_content_type_gets_400(sink: SpanSink) -> None:
+def test_unsupported_content_type_gets_415(sink: SpanSink) -> None:
     status, _, body = post(sink.endpoint, b"{}", "text/plain")
-    assert status == 400
+    assert status == 415  # the OTLP/HTTP spec's "unsupported media type"
     assert body.startswith(b"unsupported Content-Type 'text/plain'")
 
 
