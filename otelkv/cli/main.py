@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     from otelkv.cli.tune_cmd import add_tune_command
 
     add_tune_command(sub)
+    from otelkv.cli.compare_cmd import add_compare_command
+
+    add_compare_command(sub)
     from otelkv.cli.dashboards_cmd import add_dashboards_command
 
     add_dashboards_command(sub)

@@ -21,7 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from otelkv import __version__, names
+from otelkv import __version__
+from otelkv.analysis.compare.rows import manifest_path
 from otelkv.fleet.scenarios import ScenarioParams, build
 
 MANIFEST_FORMAT = 1
@@ -96,19 +97,6 @@ def check_store_dir(store: Path) -> None:
     """
     if store.exists() and (not store.is_dir() or any(store.iterdir())):
         raise ValueError(f"{store} is not an empty directory: record each run into a new one")
-
-
-def manifest_path(store: Path) -> Path:
-    return Path(store) / names.RUN_MANIFEST_FILE
-
-
-def read_manifest(store: Path) -> dict[str, Any] | None:
-    """The run's manifest, or None when the store was not recorded by ``otelkv fleet record``."""
-    try:
-        data = json.loads(manifest_path(store).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def record(

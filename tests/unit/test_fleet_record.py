@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from otelkv import names
+from otelkv.analysis.compare.rows import read_manifest
 from otelkv.cli.main import main
 from otelkv.fleet.agent import Conversation, TurnResult
-from otelkv.fleet.record import RecordOptions, read_manifest, record
+from otelkv.fleet.record import RecordOptions, record
 
 
 class FakeFleet:

@@ -8,9 +8,11 @@ taken from the turn while it is at hand, including its diagnoses.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from otelkv import names
@@ -112,6 +114,20 @@ class Run:
             "scenario_params": (self.manifest or {}).get("scenario_params"),
             "recorded_at": (self.manifest or {}).get("recorded_at"),
         }
+
+
+def manifest_path(store: Path | str) -> Path:
+    """Where ``otelkv fleet record`` leaves a run's manifest: inside its store directory."""
+    return Path(store) / names.RUN_MANIFEST_FILE
+
+
+def read_manifest(store: Path | str) -> dict[str, Any] | None:
+    """The run's manifest, or None when the store was not recorded by ``otelkv fleet record``."""
+    try:
+        data = json.loads(manifest_path(store).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _outcome(turn: Turn) -> str:
