@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from otelkv.cli.query_cmds import EXIT_ERROR, EXIT_OK
 from otelkv.cli.source import QueryError, open_local
-
-EXIT_OK = 0
-EXIT_ERROR = 2
 
 
 def add_compare_command(subparsers: Any) -> None:

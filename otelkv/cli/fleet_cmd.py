@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from otelkv.cli.query_cmds import EXIT_ERROR
 from otelkv.cli.source import QueryError, parse_duration
-
-EXIT_ERROR = 2
 
 
 def add_fleet_command(subparsers: Any) -> None:

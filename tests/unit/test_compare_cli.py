@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,20 +18,13 @@ from otelkv.analysis.compare.html import page
 from otelkv.cli.main import main
 from tests.unit.test_compare_aggregate import MANIFEST_A, MANIFEST_B, check_comparison, run_spans, runs
 from tests.unit.test_diagnose import T0, S
+from tests.unit.test_tune_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "otelkv.cli.main", "compare", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli("compare", *args)
 
 
 @pytest.fixture(scope="module")
