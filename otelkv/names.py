@@ -536,3 +536,16 @@ def turn_index_bucket(index: int) -> str:
 
 ENV_SIDECAR_TOKEN: Final = "OTELKV_TOKEN"
 """Bearer token the sidecar's query API and OTLP receiver require when set."""
+
+# --------------------------------------------------------------------------------------
+# Recorded runs (``otelkv fleet record``, ``otelkv compare``)
+# --------------------------------------------------------------------------------------
+
+FLEET_WARMUP_CONVERSATION: Final = "otelkv-fleet-warmup"
+"""Conversation id of the reference fleet's warm-up turns (left out of comparisons)."""
+
+RUN_MANIFEST_FILE: Final = "otelkv-run.json"
+"""A recorded run's settings and scenarios, written into its store directory."""
+
+CLIENT_DISCONNECTED: Final = "client disconnected"
+"""Status message of a sidecar turn span whose client hung up before the response ended."""

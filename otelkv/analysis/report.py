@@ -266,7 +266,9 @@ def window_turns(
     return turns, total
 
 
-def _context(turns: Iterable[Turn]) -> Context:
+def diagnosis_context(turns: Iterable[Turn]) -> Context:
+    """What the diagnoses of these turns share: the prefill node's cost per token (theirs and
+    their predecessors')."""
     pool: list[Turn] = []
     for turn in turns:
         pool.append(turn)
@@ -359,7 +361,7 @@ def slow(
     """The slowest turns of the window, each with its phase split and top diagnosis."""
     spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=limit, slowest_first=True)
     turns = _load_turns(source, spans)
-    ctx = _context(turns)
+    ctx = diagnosis_context(turns)
     turns.sort(key=lambda t: (-t.total_s, t.start_ns))
     return {
         "since_ns": since_ns,
@@ -384,7 +386,7 @@ def conversation(
         )
     turns = _load_turns(source, spans, conversation_id=conversation_id)
     turns.sort(key=lambda t: (t.index if t.index is not None else -1, t.start_ns))
-    ctx = _context(turns)
+    ctx = diagnosis_context(turns)
     origin = min(t.gap_start_ns for t in turns) if turns else 0
     rows = []
     for turn in turns:
@@ -441,7 +443,7 @@ def why(source: SpanSource, ref: str) -> dict[str, Any]:
         )
     previous = build_turn(prev_spans) if prev_spans else None
     turn = build_turn(spans, tool_spans=tools, previous=previous) or probe
-    ctx = _context([turn])
+    ctx = diagnosis_context([turn])
     found = diagnose(turn, ctx)
     return {
         "ref": ref,

@@ -30,17 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", help="where logs and spans.jsonl go (default: a new temp dir)")
     demo.add_argument("--json", action="store_true", help="print the turn summaries as JSON")
 
-    fleet = sub.add_parser(
-        "fleet",
-        help="run the reference fleet until interrupted (for exploring by hand)",
-        description="Starts the reference fleet and prints its router URL and span file.",
-    )
-    fleet.add_argument("--ttl", type=float, default=480.0, help="decoder_kv_blocks_ttl in seconds")
-    fleet.add_argument("--threshold", type=int, default=64, help="kv_recompute_threshold in tokens")
-    fleet.add_argument("--no-bidirectional", action="store_true", help="turn bidirectional_kv_xfer off")
-    fleet.add_argument("--plain", action="store_true", help="vLLM's NixlConnector without otelkv")
-    fleet.add_argument("--workdir", help="where logs go (default: a new temp dir)")
-    fleet.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+    from otelkv.cli.fleet_cmd import add_fleet_command
+
+    add_fleet_command(sub)
 
     from otelkv.cli.sidecar_cmd import add_sidecar_command
 
@@ -54,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     from otelkv.cli.tune_cmd import add_tune_command
 
     add_tune_command(sub)
+    from otelkv.cli.compare_cmd import add_compare_command
+
+    add_compare_command(sub)
     from otelkv.cli.dashboards_cmd import add_dashboards_command
 
     add_dashboards_command(sub)

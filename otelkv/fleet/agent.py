@@ -10,6 +10,12 @@ trace id it used so tests can find everything that happened for that turn.
 
 Completions are requested with ``ignore_eos`` and a fixed ``max_tokens``: random-weight
 models stop at random places otherwise, and the tests need predictable token counts.
+
+A turn with ``interrupt_after`` is streamed and the driver hangs up after that many
+content chunks, the way a user presses stop: the connection is closed mid-response, the
+text received so far stays in the history (as chat clients keep a stopped answer) and the
+conversation goes on. The next prompt then extends a partial answer, not the full one the
+decode node computed.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ class Turn:
     max_tokens: int = 64
     pause_s: float = 0.0
     tool: str | None = None
+    interrupt_after: int | None = None
+    """Hang up after this many streamed content chunks (the turn is streamed even if the
+    conversation is not). One chunk is one token when the server streams token by token;
+    the reference router re-emits a finished answer, so there the first chunk is all of it."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class TurnResult:
     text: str = ""
     error: str | None = None
     started_unix: float = 0.0
+    interrupted: bool = False
+    """The driver hung up mid-stream on purpose (``Turn.interrupt_after``): still ``ok``."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -147,16 +159,17 @@ class AgentDriver:
         messages: list[dict[str, Any]],
         session: aiohttp.ClientSession,
     ) -> TurnResult:
+        stream = conversation.stream or turn.interrupt_after is not None
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
             "max_tokens": turn.max_tokens,
             "ignore_eos": True,
             "temperature": 0.0,
-            "stream": conversation.stream,
+            "stream": stream,
             **self.extra_body,
         }
-        if conversation.stream:
+        if stream:
             body["stream_options"] = {"include_usage": True}
         headers = {"Content-Type": "application/json"}
         if conversation.send_conversation_id:
@@ -193,8 +206,8 @@ class AgentDriver:
                 result.status = resp.status
                 if resp.status != 200:
                     result.error = (await resp.text())[:500]
-                elif conversation.stream:
-                    await _read_stream(resp, result, started)
+                elif stream:
+                    await _read_stream(resp, result, started, stop_after=turn.interrupt_after)
                 else:
                     data = await resp.json()
                     result.ttft_s = time.perf_counter() - started
@@ -228,8 +241,12 @@ class AgentDriver:
         return asyncio.run(self.run_many(conversations))
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, result: TurnResult, started: float) -> None:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, result: TurnResult, started: float, *, stop_after: int | None = None
+) -> None:
+    """Read an SSE completion; with ``stop_after``, close the connection after that many content chunks."""
     parts: list[str] = []
+    chunks = 0
     async for raw in resp.content:
         line = raw.decode(errors="replace").strip()
         if not line.startswith("data:"):
@@ -243,6 +260,12 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: TurnResult, started
             if text and result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - started
             parts.append(text)
+            chunks += 1 if text else 0
+        if stop_after is not None and chunks >= stop_after:
+            # close(), not release(): the server must see the client go, as when a user stops.
+            resp.close()
+            result.interrupted = True
+            break
         usage = chunk.get("usage")
         if usage:
             result.prompt_tokens = int(usage.get("prompt_tokens") or 0)

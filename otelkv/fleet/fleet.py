@@ -30,7 +30,7 @@ from otelkv.fleet.span_sink import SpanSink
 
 logger = logging.getLogger("otelkv.fleet")
 
-WARMUP_CONVERSATION = "otelkv-fleet-warmup"
+WARMUP_CONVERSATION = names.FLEET_WARMUP_CONVERSATION
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("OTELKV_MODEL_DIR", Path.home() / ".cache" / "otelkv" / "tiny-llama"))
 

@@ -130,7 +130,9 @@ class TurnRecorder:
             status_code = "Error"
             status_message = rec.error or f"upstream returned {rec.status}"
             attributes[names.ERROR_TYPE] = (
-                "client_disconnected" if rec.error == "client disconnected" else str(rec.status or "upstream")
+                "client_disconnected"
+                if rec.error == names.CLIENT_DISCONNECTED
+                else str(rec.status or "upstream")
             )
         self.metrics.observe_turn(
             model=model,

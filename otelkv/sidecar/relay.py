@@ -37,6 +37,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from otelkv import names
+
 logger = logging.getLogger("otelkv.sidecar")
 
 UPSTREAM_IDLE_S = 4.0
@@ -349,7 +351,7 @@ class _Client(asyncio.Protocol):
             status = upstream._status  # what the upstream answered, if it had
             upstream.detach()
         if self.current is not None:
-            self._end_exchange(status, "client disconnected")
+            self._end_exchange(status, names.CLIENT_DISCONNECTED)
 
     def pause_writing(self) -> None:  # the client reads slower than the upstream sends
         # Kept as state: the transport reports crossing the mark once, and the exchange that

@@ -22,16 +22,21 @@ from tests.unit.test_tune_window import check_answer, scenario
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``otelkv ARGS`` in a fresh process (chDB: one store directory per process), no sidecar."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OTELKV_SIDECAR": "http://127.0.0.1:9"}
     return subprocess.run(
-        [sys.executable, "-m", "otelkv.cli.main", "tune", *args],
+        [sys.executable, "-m", "otelkv.cli.main", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("tune", *args)
 
 
 def test_tune_on_a_chdb_store_directory(tmp_path: Path) -> None:
