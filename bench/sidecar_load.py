@@ -44,9 +44,7 @@ def main() -> int:
         sc = h.start_cli(upstream, store)
         stats = h.LoadStats()
         try:
-            print(
-                f"{args.agents} agents x {args.turns}-turn streamed conversations for {args.minutes:g} min ..."
-            )
+            print(f"{args.agents} agents x {args.turns}-turn streamed conversations, {args.minutes:g} min")
             with h.RssSampler(sc.pids, interval_s=args.sample_s) as rss:
                 started = time.monotonic()
                 asyncio.run(

@@ -294,7 +294,7 @@ async def agent_load(
 
     async def agent(k: int) -> None:
         conversation = 0
-        timeout = aiohttp.ClientTimeout(total=60)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while time.monotonic() < deadline:
                 cid = f"load-{k}-{conversation}"
