@@ -59,15 +59,9 @@ def collector(kind: str) -> Iterator[str]:
             conn.close()
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    with h.upstream() as url:
-        yield url
-
-
 @pytest.mark.parametrize("kind", ["down", "slow"])
 def test_collector_down_or_slow_costs_no_request_and_no_stored_span(
-    kind: str, upstream: str, tmp_path: Path
+    kind: str, fake_upstream: str, tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
     with collector(kind) as endpoint:
@@ -78,7 +72,7 @@ def test_collector_down_or_slow_costs_no_request_and_no_stored_span(
             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "50",
             "OTEL_BSP_SCHEDULE_DELAY": "50",
         }
-        sc = h.start_cli(upstream, store, env)
+        sc = h.start_cli(fake_upstream, store, env)
         try:
             baseline = {name: h.RssSampler({name: pid}) for name, pid in sc.pids.items()}
             for sampler in baseline.values():

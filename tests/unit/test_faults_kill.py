@@ -15,11 +15,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-import pytest
 
 from tests.unit import fake_openai
 from tests.unit import sidecar_harness as h
@@ -30,12 +28,6 @@ PROXY_RSS_MB = 100.0
 EXIT_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    with h.upstream() as url:
-        yield url
-
-
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -43,9 +35,9 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_proxy_killed_mid_stream_then_the_sidecar_restarts(upstream: str, tmp_path: Path) -> None:
+def test_proxy_killed_mid_stream_then_the_sidecar_restarts(fake_upstream: str, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    sc = h.start_cli(upstream, store)
+    sc = h.start_cli(fake_upstream, store)
     try:
         before = h.run_turns(sc.proxy_url, "before", 4, 2)
         assert not h.failures(before)
@@ -65,7 +57,7 @@ def test_proxy_killed_mid_stream_then_the_sidecar_restarts(upstream: str, tmp_pa
         assert sc.proc.returncode == 1
     finally:
         sc.stop()
-    restarted = h.start_cli(upstream, store)
+    restarted = h.start_cli(fake_upstream, store)
     try:
         after = h.run_turns(restarted.proxy_url, "after", 4, 2)
         assert not h.failures(after)
@@ -75,9 +67,9 @@ def test_proxy_killed_mid_stream_then_the_sidecar_restarts(upstream: str, tmp_pa
     assert all(stored.get(f"{p}-{c}") == 2 for p in ("before", "after") for c in range(4)), stored
 
 
-def test_main_killed_during_writes_keeps_every_acknowledged_span(upstream: str, tmp_path: Path) -> None:
+def test_main_killed_during_writes_keeps_every_acknowledged_span(fake_upstream: str, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    sc = h.start_runner(upstream, store)
+    sc = h.start_runner(fake_upstream, store)
     finished: list[str] = []
     stop = threading.Event()
 
@@ -112,7 +104,7 @@ def test_main_killed_during_writes_keeps_every_acknowledged_span(upstream: str, 
             sc.stop()
     assert rss.peak("main") < MAIN_RSS_MB and rss.peak("proxy") < PROXY_RSS_MB, rss.summary("main")
     assert len(acknowledged) > 50
-    reopened = h.start_runner(upstream, store)
+    reopened = h.start_runner(fake_upstream, store)
     try:
         after = h.run_turns(reopened.proxy_url, "reopened", 2, 1)
         assert not h.failures(after)

@@ -30,12 +30,6 @@ FAULT_ROUNDS = 6
 CONVERSATIONS = 8
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    with h.upstream() as url:
-        yield url
-
-
 def _mount(*args: str) -> bool:
     return subprocess.run(["mount", *args], capture_output=True).returncode == 0
 
@@ -128,10 +122,10 @@ def store_error_drops(sc: h.SidecarProc) -> float:
 
 @pytest.mark.parametrize("fault", ["closed", "raising", "unwritable"])
 def test_store_unavailable_requests_go_on_and_drops_are_counted(
-    fault: str, upstream: str, tmp_path: Path
+    fault: str, fake_upstream: str, tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    sc = h.start_runner(upstream, store)
+    sc = h.start_runner(fake_upstream, store)
     try:
         written = warm_up(sc, "warm")
         baseline = baseline_rss(sc)
@@ -163,10 +157,10 @@ def test_store_unavailable_requests_go_on_and_drops_are_counted(
     assert not [c for c in stored if c.startswith("fault")]
 
 
-def test_disk_full_requests_go_on_then_the_store_recovers(upstream: str, tmp_path: Path) -> None:
+def test_disk_full_requests_go_on_then_the_store_recovers(fake_upstream: str, tmp_path: Path) -> None:
     with tmpfs(tmp_path / "small", 48) as disk:
         store = disk / "store"
-        sc = h.start_runner(upstream, store)
+        sc = h.start_runner(fake_upstream, store)
         try:
             written = warm_up(sc, "warm")
             baseline = baseline_rss(sc)

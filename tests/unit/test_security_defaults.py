@@ -14,11 +14,9 @@ import subprocess
 import sys
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-import pytest
 
 from otelkv import names
 from otelkv.cli.main import build_parser
@@ -29,12 +27,6 @@ from tests.unit import sidecar_harness as h
 TOKEN = "s3cret-token"
 HOSTILE = "x' OR 1=1 --"
 EMPTY_EXPORT = b'{"resourceSpans": []}'
-
-
-@pytest.fixture(scope="module")
-def upstream() -> Iterator[str]:
-    with h.upstream() as url:
-        yield url
 
 
 def listening(pid: int) -> set[str]:
@@ -50,14 +42,14 @@ def test_defaults_name_localhost() -> None:
     assert (args.listen, args.admin_listen) == ("127.0.0.1:8800", "127.0.0.1:8801")
 
 
-def test_every_listener_binds_localhost_unless_configured(upstream: str) -> None:
-    sc = h.start_cli(upstream, None)
+def test_every_listener_binds_localhost_unless_configured(fake_upstream: str) -> None:
+    sc = h.start_cli(fake_upstream, None)
     try:
         assert listening(sc.main_pid) == {"127.0.0.1"}
         assert listening(sc.proxy_pid) == {"127.0.0.1"}
     finally:
         assert sc.stop() == 0
-    wide = h.start_runner(upstream, None, host="0.0.0.0")
+    wide = h.start_runner(fake_upstream, None, host="0.0.0.0")
     try:
         assert listening(wide.proxy_pid) == {"0.0.0.0"}  # told otherwise: as told
         assert listening(wide.main_pid) == {"127.0.0.1"}
@@ -65,8 +57,8 @@ def test_every_listener_binds_localhost_unless_configured(upstream: str) -> None
         assert wide.stop() == 0
 
 
-def test_token_is_required_by_the_otlp_receiver_and_the_query_api(upstream: str, tmp_path: Path) -> None:
-    sc = h.start_runner(upstream, tmp_path / "store", {names.ENV_SIDECAR_TOKEN: TOKEN})
+def test_token_is_required_by_the_otlp_receiver_and_the_query_api(fake_upstream: str, tmp_path: Path) -> None:
+    sc = h.start_runner(fake_upstream, tmp_path / "store", {names.ENV_SIDECAR_TOKEN: TOKEN})
     try:
         otlp = f"{sc.admin_url}/v1/traces"
         json_type = {"Content-Type": "application/json"}
@@ -107,9 +99,9 @@ print(json.dumps(out))
 """
 
 
-def test_no_prompt_or_completion_text_is_stored(upstream: str, tmp_path: Path) -> None:
+def test_no_prompt_or_completion_text_is_stored(fake_upstream: str, tmp_path: Path) -> None:
     store = tmp_path / "store"
-    sc = h.start_runner(upstream, store)
+    sc = h.start_runner(fake_upstream, store)
     try:
         results = h.run_turns(sc.proxy_url, "sec", 3, 3)
         assert not h.failures(results)
@@ -138,8 +130,8 @@ def test_no_prompt_or_completion_text_is_stored(upstream: str, tmp_path: Path) -
         assert mark not in metrics
 
 
-def test_hostile_conversation_id_is_a_parameter_not_sql(upstream: str, tmp_path: Path) -> None:
-    sc = h.start_runner(upstream, tmp_path / "store")
+def test_hostile_conversation_id_is_a_parameter_not_sql(fake_upstream: str, tmp_path: Path) -> None:
+    sc = h.start_runner(fake_upstream, tmp_path / "store")
     try:
         for cid in (HOSTILE, "plain-1", "plain-2"):
             assert h.chat(sc.proxy_url, cid, 0, stream=False).ok
