@@ -498,6 +498,9 @@ METRIC_SIDECAR_UPSTREAM_ERRORS: Final = "otelkv_sidecar_upstream_errors"
 """Counter: requests the upstream could not answer (the client got a 502)."""
 METRIC_SIDECAR_STORE_QUEUE: Final = "otelkv_sidecar_store_queue_spans"
 """Gauge: spans waiting for the store writer."""
+METRIC_SIDECAR_FORWARD_DROPPED: Final = "otelkv_sidecar_forward_dropped"
+"""Counter, label reason (queue_full/export_failed/shutdown): turn spans that did not reach
+the collector named by ``OTEL_EXPORTER_OTLP_*``."""
 
 TURN_SECONDS_BUCKETS: Final = (
     0.01,

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from otelkv.sidecar.identity import MAX_ID_CHARS
 
+PROXY_CHECK_S = 0.2
+"""How often the command checks that its proxy process is still there."""
+
 
 def add_sidecar_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
@@ -111,8 +114,21 @@ def run_sidecar(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    code = 0
     try:
-        stop.wait()
+        # Without the proxy process no request gets through: a sidecar that went on serving
+        # health checks would hide that from its supervisor. Stop (the store is flushed and
+        # closed cleanly) and exit non-zero, so the supervisor restarts the whole sidecar.
+        while not stop.wait(PROXY_CHECK_S):
+            if sidecar.proxy.exited.is_set():
+                print(
+                    "otelkv sidecar: the proxy process exited unexpectedly "
+                    f"(exit code {sidecar.proxy.returncode}); stopping so that it can be restarted",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                code = 1
+                break
     finally:
         sidecar.stop()
-    return 0
+    return code

@@ -56,6 +56,7 @@ class QueryApi:
 
     async def _run(self, fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> web.Response:
         from otelkv.analysis.report import NotFound
+        from otelkv.store.base import StoreError
 
         if self.source is None:
             return web.json_response({"error": "this sidecar runs without a store (--no-store)"}, status=503)
@@ -65,6 +66,10 @@ class QueryApi:
             )
         except NotFound as exc:
             return web.json_response({"error": str(exc)}, status=404)
+        except StoreError as exc:
+            # The store is down (closed, disk gone): say so; a traceback per query says no more.
+            logger.warning("otelkv sidecar: query failed: %s", exc)
+            return web.json_response({"error": f"trace store unavailable: {exc}"}, status=503)
         except Exception as exc:
             logger.exception("otelkv sidecar: query failed")
             return web.json_response({"error": f"query failed: {type(exc).__name__}: {exc}"}, status=500)

@@ -130,7 +130,7 @@ class Sidecar:
         self.writer: Any = None
         self.source: Any = None
         self.pipeline = SpanPipeline(self.metrics, self.tools, None)
-        self.forwarder = CollectorForwarder.from_env()
+        self.forwarder = CollectorForwarder.from_env(on_drop=self._on_forward_drop)
         self.recorder = TurnRecorder(
             metrics=self.metrics,
             tools=self.tools,
@@ -227,6 +227,9 @@ class Sidecar:
     def _on_drop(self, reason: str, count: int) -> None:
         if reason != "queue_full":  # queue-full drops are counted where they happen
             self.metrics.dropped.labels(reason).inc(count)
+
+    def _on_forward_drop(self, reason: str, count: int) -> None:
+        self.metrics.forward_dropped.labels(reason).inc(count)
 
     def describe_store(self) -> str:
         if self.store is None:

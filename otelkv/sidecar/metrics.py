@@ -103,6 +103,12 @@ class SidecarMetrics:
         self.upstream_errors = Counter(
             names.METRIC_SIDECAR_UPSTREAM_ERRORS, "Requests the upstream could not answer.", registry=r
         )
+        self.forward_dropped = Counter(
+            names.METRIC_SIDECAR_FORWARD_DROPPED,
+            "Turn spans that did not reach the collector (OTEL_EXPORTER_OTLP_*).",
+            ["reason"],
+            registry=r,
+        )
         self.store_queue = Gauge(
             names.METRIC_SIDECAR_STORE_QUEUE, "Spans waiting for the store writer.", registry=r
         )

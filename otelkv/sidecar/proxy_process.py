@@ -60,6 +60,8 @@ class ProxyProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self.exited = threading.Event()
+        """Set once the proxy process is gone (its channel closed), however it ended."""
         self._error: str | None = None
         self._acks: dict[int, threading.Event] = {}
         self._next_sync = 0
@@ -118,6 +120,7 @@ class ProxyProcess:
             with self._lock:
                 for event in self._acks.values():
                     event.set()
+            self.exited.set()
 
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -141,6 +144,10 @@ class ProxyProcess:
         elif kind == "error":
             self._error = str(message[1])
             self._ready.set()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
 
     def sync(self, timeout: float = 10.0) -> bool:
         """True once every turn finished before this call has been handed to ``on_turns``."""
