@@ -16,8 +16,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
+import psutil
 import pytest
 
 from otelkv import names
@@ -347,3 +349,71 @@ def test_streamed_bytes_reach_the_client_exactly_as_the_router_sent_them(fleet: 
         received = asyncio.run(fetch(sidecar.url))
     assert received.startswith(b"data: ") and received.rstrip().endswith(b"data: [DONE]")
     assert received == http_body(bytes(relay.from_upstream))
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL an engine: its API server and the engine core and worker that hold the KV."""
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    for proc in procs:
+        proc.kill()
+    psutil.wait_procs(procs, timeout=15)
+
+
+def test_prefill_engine_killed_mid_hand_off(fleet: Fleet) -> None:
+    """The prefill engine dies after answering and before the decode node reads its KV.
+
+    The decode node's read fails; the client gets the fleet's own error through the
+    sidecar (otelkv adds no failure of its own), the decode node's otelkv spans record the
+    failed transfer, ``why`` names it, and the sidecar keeps relaying. Runs last in this
+    module: the fleet has no prefill node afterwards.
+    """
+    assert fleet.router is not None and fleet.prefill is not None and fleet.sidecar is not None
+    assert fleet.sink is not None and fleet.prefill.pid is not None
+    router, prefill_pid = fleet.router, fleet.prefill.pid
+    original = router._leg
+    killed = threading.Event()
+
+    async def leg(
+        role: str, path: str, body: dict[str, Any], request_id: str, conversation_id: str | None
+    ) -> Any:
+        if role == names.ROLE_DECODE and not killed.is_set():
+            await asyncio.to_thread(_kill_tree, prefill_pid)
+            killed.set()
+        return await original(role, path, body, request_id, conversation_id)
+
+    router._leg = leg  # type: ignore[method-assign]
+    try:
+        conversation = Conversation("conv-killed", [Turn("this turn loses its prefill node halfway", 32)])
+        (turns,) = fleet.driver(timeout_s=90.0).run_sync([conversation])
+    finally:
+        router._leg = original  # type: ignore[method-assign]
+    (turn,) = turns
+    assert killed.is_set()
+    assert turn.status >= 500, (turn.status, turn.error)
+
+    # The decode node recorded the failed read of the dead engine's KV.
+    def decode_ended(spans: list[SpanRecord]) -> bool:
+        return any(
+            s.trace_id == turn.trace_id and s.name == names.engine_request_span_name(names.ROLE_DECODE)
+            for s in spans
+        )
+
+    spans = in_trace(fleet.sink.wait_for(decode_ended, timeout=60), turn.trace_id)
+    decode = engine_request(spans, names.ROLE_DECODE)
+    assert decode.attributes[names.REQUEST_OUTCOME] != names.OUTCOME_FINISHED, decode.attributes
+    transfers = children(spans, decode, "kv_transfer")
+    assert transfers and transfers[0].attributes[names.TRANSFER_OUTCOME] != names.TRANSFER_OK, [
+        t.attributes for t in transfers
+    ]
+    turn_span(fleet, turn.trace_id)
+    answer = report.why(stored(fleet), turn.trace_id)
+    assert names.DIAG_TRANSFER_FAILED in [d["id"] for d in answer["diagnoses"]], answer["diagnoses"]
+
+    # The sidecar is unharmed: it still relays (the router's own health endpoint).
+    async def health() -> int:
+        async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/health") as resp:
+            return resp.status
+
+    assert asyncio.run(health()) == 200
+    assert fleet.sidecar.proxy.returncode is None  # the proxy process still runs
