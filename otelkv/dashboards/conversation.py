@@ -392,7 +392,7 @@ def gap_against_ttl() -> PanelBuilder:
 
 # ------------------------------------------------------------------ Tempo
 
-IN_CONVERSATION = f"{t.span(names.GEN_AI_CONVERSATION_ID)} = {t.string('$' + CONV)}"
+IN_CONVERSATION = f"{t.span(names.GEN_AI_CONVERSATION_ID)} = {t.string_var(CONV)}"
 
 
 def _tempo(panel_id: int, title: str, description: str, query: str, *, width: int = 12) -> PanelBuilder:

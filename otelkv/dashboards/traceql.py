@@ -3,8 +3,10 @@
 Tempo stores the same spans the trace store holds (the collector exports to both), so the
 Tempo panels ask the same questions by span attribute. Dotted keys such as
 ``gen_ai.conversation.id`` need no quoting in TraceQL (``span.gen_ai.conversation.id``);
-values are TraceQL strings. A template variable inside a string (``"$conversation"``) is
-interpolated by Grafana before Tempo parses the query; ids containing ``"`` would break it.
+values are TraceQL strings. A template variable is interpolated by Grafana before Tempo
+parses the query, so a value goes in through Grafana's ``doublequote`` format
+(:func:`string_var`), which quotes it and escapes its ``"``: a conversation id containing
+a quote then still yields a valid query instead of a syntax error.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ def span(key: str) -> str:
 def string(value: str) -> str:
     """A TraceQL string literal (double-quoted; ``$var`` inside stays for Grafana)."""
     return json.dumps(value)
+
+
+def string_var(name: str) -> str:
+    """A TraceQL string holding dashboard variable ``name``'s value, quoted by Grafana.
+
+    ``"$name"`` would break on a value containing ``"``; ``${name:doublequote}`` makes
+    Grafana write ``"value"`` with each ``"`` escaped as ``\\"``.
+    """
+    return "${" + name + ":doublequote}"
 
 
 def spanset(*conditions: str) -> str:

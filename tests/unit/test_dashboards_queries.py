@@ -184,14 +184,16 @@ def test_traceql_parser_rejects_a_broken_query() -> None:
     assert results[0]["errors"] and not results[1]["errors"]
 
 
-def test_every_traceql_query_parses_as_written_and_interpolated() -> None:
+def test_every_traceql_query_parses_once_interpolated_even_with_quotes_in_the_id() -> None:
     found = inventory.of_kind(QUERIES, "traceql")
-    texts = [query.text for query in found]
-    texts += [expand.traceql(query.text, contexts("conv-lapse")[0]) for query in found]
+    assert all(f"${{{CONVERSATION_VAR}:doublequote}}" in query.text for query in found)
+    texts = []
+    for conversation in ("conv-lapse", 'agent "alpha" #3'):
+        texts += [expand.traceql(query.text, contexts(conversation)[0]) for query in found]
     code, results = traceql_parse(texts)
     assert code == 0, [r for r in results if r["errors"]]
     assert len(results) == len(texts)
-    assert all(f'"{"$"}{CONVERSATION_VAR}"' in text for text in texts[: len(found)])
+    assert r'span.gen_ai.conversation.id = "agent \"alpha\" #3"' in texts[-1]
 
 
 # ------------------------------------------------------------------ ClickHouse SQL
