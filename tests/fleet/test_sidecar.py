@@ -406,7 +406,11 @@ def test_prefill_engine_killed_mid_hand_off(fleet: Fleet) -> None:
     assert transfers and transfers[0].attributes[names.TRANSFER_OUTCOME] != names.TRANSFER_OK, [
         t.attributes for t in transfers
     ]
-    turn_span(fleet, turn.trace_id)
+    # The turn span (the prefill node's own spans may have died with it: not waited for).
+    fleet.sink.wait_for(
+        lambda spans: any(s.trace_id == turn.trace_id and s.scope_name == names.SCOPE_SIDECAR for s in spans),
+        timeout=30,
+    )
     answer = report.why(stored(fleet), turn.trace_id)
     assert names.DIAG_TRANSFER_FAILED in [d["id"] for d in answer["diagnoses"]], answer["diagnoses"]
 

@@ -581,6 +581,20 @@ def test_transfer_failed(form: Any) -> None:
 
 
 @FORMS
+def test_forward_transfer_failed_with_the_prefill_node_gone(form: Any) -> None:
+    # The prefill engine died after answering: its spans never arrived, decode's read failed.
+    spans = turn_trace(
+        index=0,
+        stream=False,
+        decode={names.REQUEST_OUTCOME: names.OUTCOME_FAILED_KV_LOAD},
+        decode_transfer={names.TRANSFER_OUTCOME: names.TRANSFER_FAILED},
+        status="Error",
+    )
+    spans = [s for s in spans if s.name != "kv_request prefill"]
+    assert names.DIAG_TRANSFER_FAILED in ids(build_turn(form(spans)) or Turn("x", "x"))
+
+
+@FORMS
 def test_stuck_waiting_for_remote_kv(form: Any) -> None:
     _, cur = pair(
         request_s=40.0,
