@@ -531,9 +531,10 @@ def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
     """The forward hand-off (decode reading the prefill node's KV) took seconds.
 
     A P->D read of a few blocks takes milliseconds on any link; seconds mean the read
-    waited for something, typically the prefill node's NIXL agent: over a two-sided
-    transport (UCX over TCP) an idle prefill engine progresses the read only at its next
-    step or lease reaping (seen on the reference fleet: 30 s, the prefill lease).
+    waited for something: the prefill node's NIXL agent (with a two-sided transport an
+    idle engine progresses a read only at its next step or lease reaping) or a process
+    starved of CPU. Seen on the reference fleet (UCX cma,tcp, 2 busy cores): posting the
+    read blocked 30 s, until the prefill lease was reaped.
     """
     d = turn.decode
     t = d.transfer if d is not None else None
@@ -560,10 +561,11 @@ def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
         f"The decode node waited {wait:.2f}s for {size} from the prefill node "
         f"({t.direction} over {t.backend or 'NIXL'}){post_text}.",
         evidence,
-        "A read that blocks for seconds is waiting on the remote NIXL agent, not the wire: make "
-        "reads one-sided (UCX_TLS with rc/cuda_ipc on GPUs, cma or sm between processes of one "
-        "host, not tcp alone), keep the prefill engines' NIXL progress thread on, and compare "
-        "with vllm:nixl_post_time_seconds / vllm:nixl_xfer_time_seconds on the prefill node.",
+        "A read that blocks for seconds waits on the remote NIXL agent or a starved process, not "
+        "the wire: check the prefill node's CPU headroom (its engine and UCX threads must run), "
+        "keep NIXL's progress thread on, prefer one-sided transports (UCX_TLS with rc/cuda_ipc on "
+        "GPU fleets, not tcp alone), and compare with vllm:nixl_post_time_seconds / "
+        "vllm:nixl_xfer_time_seconds on the decode node.",
         wait,
     )
 
