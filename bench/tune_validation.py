@@ -35,8 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from otelkv.fleet.record import RecordOptions, record  # noqa: E402
-
-ROUTER_MARGIN_S = 6.0
+from otelkv.fleet.scenarios import ROUTER_TTL_MARGIN_S  # noqa: E402
 
 
 def _cli(*args: str) -> dict[str, Any]:
@@ -127,7 +126,7 @@ def main() -> int:
         ("decode block-seconds", at_b["block_seconds"], retained_b.get("block_seconds")),
     ]
     print(
-        f"\nrun A: TTL {args.ttl_a:g}s, run B: TTL {args.ttl_b:g}s (router TTL - {ROUTER_MARGIN_S:g}s), "
+        f"\nrun A: TTL {args.ttl_a:g}s, run B: TTL {args.ttl_b:g}s (router TTL - {ROUTER_TTL_MARGIN_S:g}s), "
         f"threshold {args.threshold}, scenarios {','.join(scenarios)}; stores in {out}"
     )
     print(f"model check on A: {tune['model_check']}")

@@ -137,7 +137,8 @@ def suggest_ttl(gap_s: float) -> int:
 
 
 def pull_seconds(leg: Leg) -> float | None:
-    """What a pull added to the request: the scheduler's wait for the KV, else NIXL's transfer time."""
+    """What waiting for remote KV added to the leg's request (a prefill node's pull, a decode
+    node's P->D read): the scheduler's wait for the KV, else NIXL's transfer time."""
     t = leg.transfer
     if t is not None:
         for value in (t.wait_s, t.xfer_s):
@@ -537,10 +538,12 @@ def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
     read blocked 30 s, until the prefill lease was reaped.
     """
     d = turn.decode
-    t = d.transfer if d is not None else None
-    if t is None or t.outcome not in (None, names.TRANSFER_OK):
+    if d is None or d.transfer is None:
+        return None
+    t = d.transfer
+    if t.outcome not in (None, names.TRANSFER_OK):
         return None  # failures are kv_transfer_failed's
-    wait = t.wait_s or t.xfer_s
+    wait = pull_seconds(d)
     if not wait or wait < SLOW_HANDOFF_MIN_S or wait < SLOW_HANDOFF_SHARE * max(turn.request_s, wait):
         return None
     posted = t.post_s is not None and t.post_s >= 0.5 * wait
