@@ -184,8 +184,11 @@ class PDRouter:
     async def _setup(self, port: int) -> None:
         # vLLM's API server (uvicorn) closes idle keep-alive connections after 5 s; reusing
         # one at that moment fails the leg with "Server disconnected". Close them first.
+        # A loopback connect to a live engine completes in the kernel; one that times out
+        # means this thread could not run (the machine was starved), not a dead engine
+        # (refused at once), so the limit only has to catch a hung listener.
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=60),
             connector=aiohttp.TCPConnector(keepalive_timeout=3.0),
         )
         self._runner = web.AppRunner(self.app(), access_log=None)

@@ -5,12 +5,19 @@ bounded in-memory queue (O(1), never blocks) and a daemon thread drains it into
 ``store.insert_spans`` in batches. When the queue is full the *new* spans are dropped and
 counted (what is queued is older and already paid for); when the store fails the batch is
 dropped, counted, logged at most once a minute, and the writer carries on.
+
+The writer thread keeps its process's CPU priority on purpose. chDB holds the GIL while it
+reads the Arrow batch (``Python(...)``), so a writer at nice 10 (tried) made every other
+thread of the process - OTLP receiver, turn spans, and in the reference fleet the router -
+wait behind a thread that could not get a CPU: with three busy processes on 2 cores, 20
+inserts took 3.2x longer and a 10 ms ticker thread of the same process ran up to 186 ms
+late instead of 30 ms. A CI run whose reference fleet (router and sidecar in one process)
+saw the router miss a 10 s loopback connect ran with that writer.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -25,23 +32,6 @@ log = logging.getLogger(__name__)
 DROP_QUEUE_FULL = "queue_full"
 DROP_STORE_ERROR = "store_error"
 _LOG_EVERY_S = 60.0
-
-
-WRITER_NICE = 10
-"""Scheduling priority of the writer thread, relative to the rest of its process."""
-
-
-def _yield_cpu_to_requests() -> None:
-    """Lower this thread's CPU priority (Linux: nice applies per thread).
-
-    A batch insert is 10-20 ms of CPU; on a small machine it competes with the sidecar's
-    proxy process and the engines for a core. Nothing waits on the writer, so it should be
-    the one that waits. Best effort: where the call is unavailable, nothing changes.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-    except (AttributeError, OSError):
-        pass
 
 
 class BatchWriter:
@@ -149,7 +139,6 @@ class BatchWriter:
         return batch
 
     def _run(self) -> None:
-        _yield_cpu_to_requests()
         while True:
             with self._cond:
                 if not self._closing and self._queued < self.batch_spans:
