@@ -73,6 +73,7 @@ TITLES: dict[str, str] = {
     names.DIAG_STUCK_WAITING_FOR_REMOTE_KV: "Request stuck waiting for remote KV",
     names.DIAG_TRANSFER_FAILED: "KV transfer failed",
     names.DIAG_TTL_LAPSED: "Decode KV expired during the gap",
+    names.DIAG_KV_READ_STARTED_LATE: "Prefill node started the KV read too late",
     names.DIAG_ROUTER_HANDLE_EXPIRED: "Router dropped the decode handle",
     names.DIAG_DECODE_NO_HANDLE: "Decode returned no kv_transfer_params",
     names.DIAG_BIDIRECTIONAL_OFF: "Bidirectional KV transfer off",
@@ -147,6 +148,42 @@ def pull_seconds(leg: Leg) -> float | None:
     return leg.remote_kv_wait_s
 
 
+READ_EXPIRY_MARGIN_S = 5.0
+"""vLLM 0.32.0 declines a read of the decode node's blocks from this long before their deadline
+(``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`` in ``nixl/pull_worker.py``)."""
+
+
+@dataclass(frozen=True)
+class _LateRead:
+    leg: Leg
+    ttl: float
+    wait_s: float
+
+
+def _declined_expired(leg: Leg) -> bool:
+    return leg.reason == names.REASON_DECLINED_EXPIRED or (
+        leg.transfer is not None and leg.transfer.outcome == names.TRANSFER_DECLINED_EXPIRED
+    )
+
+
+def late_read(turn: Turn) -> _LateRead | None:
+    """A prefill read declined as expired that the gap does not explain.
+
+    The turn reached the fleet while the decode node's blocks were still readable (gap plus
+    vLLM's margin inside the TTL), yet the read was declined: it started seconds after the
+    request reached the prefill node. Seen in the demo: a 1.1 s gap, TTL 15 s, and the read
+    tried 15.1 s after the request arrived. Saying "the gap exceeded the TTL" there is wrong
+    and so is its fix (raise the TTL to cover a 1 s gap)."""
+    leg = turn.prefill
+    ttl = turn.decoder_ttl_s()
+    if leg is None or ttl is None or not _declined_expired(leg):
+        return None
+    if turn.gap_s + READ_EXPIRY_MARGIN_S >= ttl:
+        return None
+    wait = pull_seconds(leg)
+    return _LateRead(leg, ttl, wait) if wait else None
+
+
 # ------------------------------------------------------------------ failures
 
 
@@ -170,11 +207,22 @@ def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
             "http_status": turn.http_status,
             "request_s": _r(turn.request_s),
         }
-        ttl_text = f" (gap {turn.gap_s:.1f}s vs TTL {ttl:g}s)" if ttl is not None else ""
+        late = late_read(turn)
+        if late is not None:
+            evidence["wait_before_read_s"] = _r(late.wait_s)
+            ttl_text = (
+                f": it started the read {late.wait_s:.1f}s after the request reached it (the gap was "
+                f"only {turn.gap_s:.1f}s of a {late.ttl:g}s TTL), within {READ_EXPIRY_MARGIN_S:g}s of "
+                "the blocks' deadline"
+            )
+        elif ttl is not None:
+            ttl_text = f" (gap {turn.gap_s:.1f}s vs TTL {ttl:g}s)"
+        else:
+            ttl_text = ""
         return Diagnosis(
             names.DIAG_EXPIRED_READ_FAILED,
             TITLES[names.DIAG_EXPIRED_READ_FAILED],
-            f"The {leg.role} node tried to read KV that had already expired{ttl_text}; with "
+            f"The {leg.role} node tried to read KV that had expired{ttl_text}; with "
             f"kv_load_failure_policy={policy or 'fail'} vLLM failed the request instead of recomputing.",
             evidence,
             "Set kv_load_failure_policy=recompute in vLLM's --kv-transfer-config so an expired read "
@@ -273,10 +321,7 @@ class _Lapse:
         prev = turn.previous
         ret = prev.decode.retention if prev and prev.decode else None
         leg = turn.prefill
-        declined = leg is not None and (
-            leg.reason == names.REASON_DECLINED_EXPIRED
-            or (leg.transfer is not None and leg.transfer.outcome == names.TRANSFER_DECLINED_EXPIRED)
-        )
+        declined = leg is not None and _declined_expired(leg)
         ttl = turn.decoder_ttl_s()
         return cls(
             retention=ret,
@@ -295,6 +340,8 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     stale = turn.router is not None and turn.router.handle == names.ROUTER_HANDLE_STALE
     if not (lapse.expired or lapse.declined or (stale and lapse.over)):
         return None
+    if late_read(turn) is not None:
+        return None  # the KV outlived the gap; the read came late: kv_read_started_late
     ret, ttl, tokens = lapse.retention, lapse.ttl, lapse.tokens
     phases = turn.phases
     evidence = {
@@ -528,6 +575,43 @@ def check_pull_slower(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+def check_late_read(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The decode node still held the previous turn's KV when this turn arrived, but the
+    prefill node tried the read so late that vLLM declined it as expired."""
+    late = late_read(turn)
+    if late is None:
+        return None
+    leg, t = late.leg, late.leg.transfer
+    failed = leg.outcome == names.OUTCOME_FAILED_KV_LOAD
+    tokens = lost_tokens(turn)
+    evidence = {
+        "gap_s": _r(turn.gap_s),
+        "wait_before_read_s": _r(late.wait_s),
+        "decoder_kv_blocks_ttl_s": _r(late.ttl),
+        "read_margin_s": READ_EXPIRY_MARGIN_S,
+        "outcome": leg.outcome,
+        "transfer_outcome": t.outcome if t else None,
+        "engine_id": leg.engine_id,
+        "tokens_recomputed": None if failed else tokens,
+    }
+    then = "the request failed" if failed else f"prefill recomputed {tokens} tokens"
+    return Diagnosis(
+        names.DIAG_KV_READ_STARTED_LATE,
+        TITLES[names.DIAG_KV_READ_STARTED_LATE],
+        f"The turn arrived {turn.gap_s:.1f}s after the previous one, well inside "
+        f"decoder_kv_blocks_ttl={late.ttl:g}s, but the prefill node only tried the read "
+        f"{late.wait_s:.1f}s later, within {READ_EXPIRY_MARGIN_S:g}s of the deadline; vLLM declined "
+        f"it and {then}.",
+        evidence,
+        "The KV was there when the turn arrived; the time went inside the prefill node before the "
+        "read started (its scheduler busy, or its processes starved of CPU as on the 2-core "
+        "reference fleet). Check the prefill node's CPU headroom and queue "
+        "(vllm:num_requests_waiting, vllm:nixl_post_time_seconds). A longer TTL only buys margin; "
+        "kv_load_failure_policy=recompute turns such reads into recomputes instead of errors.",
+        late.wait_s,
+    )
+
+
 def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
     """The forward hand-off (decode reading the prefill node's KV) took seconds.
 
@@ -678,6 +762,7 @@ CHECKS: tuple[Check, ...] = (
     check_no_conversation_id,
     check_below_threshold,
     check_pull_slower,
+    check_late_read,
     check_slow_handoff,
     check_queueing,
     check_tool_wait,

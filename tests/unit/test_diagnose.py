@@ -566,6 +566,55 @@ def test_expired_read_failed(form: Any) -> None:
 
 
 @FORMS
+def test_kv_read_started_late(form: Any) -> None:
+    # The demo's case: a 1.1 s gap at TTL 15 s, the prefill node's read tried 15.1 s after the
+    # request reached it and declined as expired. "The gap exceeded the TTL" would be wrong.
+    declined = {
+        names.PULL_REASON: names.REASON_DECLINED_EXPIRED,
+        names.PULL_DECISION: names.DECISION_PULL,
+    }
+    late = {names.TRANSFER_OUTCOME: names.TRANSFER_DECLINED_EXPIRED, names.TRANSFER_WAIT_SECONDS: 15.09}
+    ttl15 = {
+        f"{role}_resource": engine_resource(role, **{names.DECODER_KV_BLOCKS_TTL: 15.0})
+        for role in (names.ROLE_PREFILL, names.ROLE_DECODE)
+    }
+    prev, cur = pair(
+        gap_s=1.1,
+        request_s=16.0,
+        prev_kw={
+            "retention": {
+                names.RETENTION_OUTCOME: names.RETENTION_EXPIRED,
+                names.RETENTION_HELD_SECONDS: 15.0,
+            },
+            **ttl15,
+        },
+        prefill={**declined, names.REQUEST_OUTCOME: names.OUTCOME_FAILED_KV_LOAD},
+        prefill_transfer=late,
+        status="Error",
+        turn={names.HTTP_STATUS: 500},
+        **ttl15,
+    )
+    found = {d.id: d for d in diagnose(linked(form(prev), form(cur)))}
+    assert names.DIAG_TTL_LAPSED not in found
+    d = found[names.DIAG_KV_READ_STARTED_LATE]
+    assert d.evidence["wait_before_read_s"] == pytest.approx(15.09) and d.evidence["gap_s"] == 1.1
+    assert d.evidence["decoder_kv_blocks_ttl_s"] == 15.0 and d.cost_s == pytest.approx(15.09)
+    assert "only tried the read 15.1s later" in d.summary and "the request failed" in d.summary
+    failed = found[names.DIAG_EXPIRED_READ_FAILED]
+    assert "15.1s after the request reached it" in failed.summary and "gap was only 1.1s" in failed.summary
+    assert failed.evidence["wait_before_read_s"] == pytest.approx(15.09)
+    # With kv_load_failure_policy=recompute the turn recomputes: still named, no failure.
+    _, recomputed = pair(gap_s=1.1, prefill=declined, prefill_transfer=late, **ttl15)
+    found2 = {d.id: d for d in diagnose(build_turn(form(recomputed)) or Turn("x", "x"))}
+    assert "recomputed" in found2[names.DIAG_KV_READ_STARTED_LATE].summary
+    assert names.DIAG_EXPIRED_READ_FAILED not in found2 and names.DIAG_TTL_LAPSED not in found2
+    # A gap that does reach the TTL's margin is the gap's fault: ttl_lapsed_during_gap, not this.
+    _, gap = pair(gap_s=11.0, prefill=declined, prefill_transfer=late, **ttl15)
+    found3 = ids(build_turn(form(gap)) or Turn("x", "x"))
+    assert names.DIAG_TTL_LAPSED in found3 and names.DIAG_KV_READ_STARTED_LATE not in found3
+
+
+@FORMS
 def test_transfer_failed(form: Any) -> None:
     _, cur = pair(
         prefill={

@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from otelkv import names
+from otelkv.analysis.diagnose import READ_EXPIRY_MARGIN_S
 from otelkv.analysis.model import Leg, Turn
 from otelkv.analysis.tune.fit import CostModel, Geometry, held_tokens
 
-SAFETY_MARGIN_S = 5.0
+SAFETY_MARGIN_S = READ_EXPIRY_MARGIN_S
 """vLLM declines a reverse read this close to the decode deadline (``pull_worker.py:33``)."""
 
 NO_NEXT_TURN = "no_next_turn"
