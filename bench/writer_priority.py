@@ -75,13 +75,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             store = ChdbStore(Path(tmp) / "store")
             t0 = time.time_ns()
+            made = 0  # batches built so far: each starts one second after the last
             arms: dict[int, list[tuple[float, float, float]]] = {0: [], 10: []}
             for r in range(args.rounds):
                 for nice in (0, 10) if r % 2 == 0 else (10, 0):
-                    batches = [
-                        synthetic_spans(BATCH_SPANS, t0 + (len(arms[0]) + len(arms[10]) * 100 + i) * 10**9)
-                        for i in range(BATCHES)
-                    ]
+                    batches = [synthetic_spans(BATCH_SPANS, t0 + (made + i) * 10**9) for i in range(BATCHES)]
+                    made += BATCHES
                     arms[nice].append(run_arm(store, nice, batches))
                     print(
                         f"round {r} writer nice {nice:2d}: {BATCHES} inserts {arms[nice][-1][0]:.2f}s, "

@@ -10,8 +10,8 @@ The writer thread keeps its process's CPU priority on purpose. chDB holds the GI
 reads the Arrow batch (``Python(...)``), so a writer at nice 10 (tried) made every other
 thread of the process - OTLP receiver, turn spans, and in the reference fleet the router -
 wait behind a thread that could not get a CPU. ``bench/writer_priority.py`` (three busy
-processes on 2 cores, nice 0 vs 10 side by side): inserts 2.1-3.2x slower, a 10 ms ticker
-thread of the same process late by 4.5-6x more at p99. A CI run whose reference fleet
+processes on 2 cores, nice 0 vs 10 side by side): inserts 2.0-3.2x slower, a 10 ms ticker
+thread of the same process late by 4.2-6x more at p99. A CI run whose reference fleet
 (router and sidecar in one process) saw the router miss a 10 s loopback connect ran with
 that writer.
 """
