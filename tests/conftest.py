@@ -1,24 +1,54 @@
-"""Shared pytest set-up.
+"""Shared pytest set-up, and the gate that keeps a partial run from looking green.
 
-With ``OTELKV_REQUIRE_FLEET_TESTS=1`` (set by ``scripts/test.sh``, hence by CI) a run only
-passes if real-engine tests actually ran and passed and nothing was skipped: an empty
-selection, a missing dependency or a skipped fleet must not look green.
+With ``OTELKV_REQUIRE_FLEET_TESTS=1`` (set by ``scripts/test.sh``, hence by CI) a run
+passes only if it was the whole suite and all of it passed: every test module under
+``tests/`` collected, nothing skipped (at collection, as a module-level ``importorskip``
+does, or at run time), nothing deselected (``-k``, ``-m``, ``--lf``), and at least one
+real-engine (``tests/fleet``) and one unit test passed. A missing dependency, an empty
+selection or a narrowed one is a failure there, with the reason printed. Run pytest
+directly, without the variable, to run a part of the suite.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from otelkv.engine import telemetry
 
-_outcomes: dict[str, int] = {"fleet_passed": 0, "unit_passed": 0, "skipped": 0}
+pytest_plugins = ("pytester",)  # tests/unit/test_suite_gate.py runs small suites through this gate
+
+TESTS = Path(__file__).resolve().parent
+REQUIRE_ENV = "OTELKV_REQUIRE_FLEET_TESTS"
+
+_outcomes: dict[str, int] = {"fleet_passed": 0, "unit_passed": 0, "skipped": 0, "deselected": 0}
+_collect_skipped: list[str] = []
+_collected_modules: set[Path] = set()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_tracers() -> None:
     telemetry.reset_for_tests()
+
+
+def suite_modules() -> set[Path]:
+    """Every test module of the suite (the npm tree of the TraceQL checker is not ours)."""
+    return {p for p in TESTS.rglob("test_*.py") if "node_modules" not in p.parts}
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped:
+        _collect_skipped.append(report.nodeid or "?")
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _outcomes["deselected"] += len(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _collected_modules.update(Path(str(item.path)).resolve() for item in session.items)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -29,16 +59,38 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _outcomes[key] += 1
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if os.environ.get("OTELKV_REQUIRE_FLEET_TESTS") != "1" or exitstatus not in (0, 5):
-        return
+def gate_problems(
+    outcomes: dict[str, int], collect_skipped: list[str], missing_modules: list[str]
+) -> list[str]:
+    """Why a run is not a green run of the whole suite (empty: it is)."""
     problems = []
-    if _outcomes["fleet_passed"] == 0:
+    if outcomes["fleet_passed"] == 0:
         problems.append("no real-engine (tests/fleet) test passed")
-    if _outcomes["unit_passed"] == 0:
+    if outcomes["unit_passed"] == 0:
         problems.append("no unit test passed")
-    if _outcomes["skipped"]:
-        problems.append(f"{_outcomes['skipped']} test(s) skipped")
+    if outcomes["skipped"]:
+        problems.append(f"{outcomes['skipped']} test(s) skipped")
+    if collect_skipped:
+        problems.append(
+            f"{len(collect_skipped)} module(s) skipped at collection: {', '.join(collect_skipped)}"
+        )
+    if outcomes["deselected"]:
+        problems.append(f"{outcomes['deselected']} test(s) deselected (-k, -m, --lf ...)")
+    if missing_modules:
+        shown = ", ".join(missing_modules[:5]) + (" ..." if len(missing_modules) > 5 else "")
+        problems.append(f"{len(missing_modules)} test module(s) not run: {shown}")
+    return problems
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get(REQUIRE_ENV) != "1" or exitstatus not in (0, 5):
+        return
+    missing = sorted(str(p.relative_to(TESTS.parent)) for p in suite_modules() - _collected_modules)
+    problems = gate_problems(_outcomes, _collect_skipped, missing)
     if problems:
-        print("\notelkv: the suite is not green: " + "; ".join(problems))
+        print(
+            f"\notelkv: not a green run of the whole suite ({REQUIRE_ENV}=1): "
+            + "; ".join(problems)
+            + ". Run pytest without the variable to run a part of it."
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
