@@ -1,12 +1,13 @@
 """The dashboards against a real run: every query returns data from a real fleet.
 
 One fleet (decoder_kv_blocks_ttl=36 s, a router that forwards handles of any age, the
-sidecar in front) runs agent conversations chosen so that every panel has something to
-show: streamed turns that pull the previous turn's KV (TTFT by turn index, D->P
-transfers), tool waits measured from agent spans and from messages, a conversation without
-id, turns below the recompute threshold, and two tool waits longer than the TTL, some
-seconds apart, whose next turns vLLM fails (declined_expired, failed_kv_load, expired
-retentions, error turns).
+sidecar in front, a decode node that runs two requests at a time) runs agent
+conversations chosen so that every panel has something to show: streamed turns that pull
+the previous turn's KV (TTFT by turn index, D->P transfers), tool waits measured from
+agent spans and from messages, a conversation without id, turns below the recompute
+threshold, two tool waits longer than the TTL, some seconds apart, whose next turns vLLM
+fails (declined_expired, failed_kv_load, expired retentions, error turns), and a burst of
+long answers that queues on the decode node (requests waiting).
 
 A real Prometheus (Debian's ``/usr/bin/prometheus``, 1 s scrapes, its own temporary
 storage) scrapes both engines' ``/metrics`` and the sidecar's admin ``/metrics`` during the
@@ -45,7 +46,7 @@ pytest.importorskip(
 )
 
 from otelkv import names
-from otelkv.dashboards import build, expand, inventory
+from otelkv.dashboards import build, expand, inventory, vllm_metrics
 from otelkv.dashboards import promql as q
 from otelkv.dashboards.frame import CONVERSATION_VAR
 from otelkv.fleet import metrics as prom_text
@@ -105,6 +106,11 @@ TAIL = Conversation("dash-tail", [Turn("one more question after the lapse", 16)]
 expired retention ends (span, counter, gauge) only once decode runs again."""
 TAIL_AGAIN = Conversation("dash-tail-again", [Turn("and one after the second lapse", 16)])
 LAPSES = (LAPSE.conversation_id, LAPSE_AGAIN.conversation_id)
+DECODE_SLOTS = 2
+BURST = [Conversation(f"dash-burst-{i}", [Turn("write the long weekly build report", 384)]) for i in range(5)]
+"""Five long answers at once on a decode node with two slots: three wait a whole answer
+(1-2 s here) and one two, so ``vllm:num_requests_waiting`` is above 0 for several 1 s
+scrapes. Without it nothing on a quiet fleet waits long enough for a scrape to see it."""
 
 ALLOWED_ZERO = {
     "sum(rate(otelkv_sidecar_upstream_errors_total{}[$__rate_interval]))": "the router never went away",
@@ -216,7 +222,9 @@ def prometheus_binary() -> str:
 
 @pytest.fixture(scope="module")
 def fleet(prometheus_binary: str, request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    config = FleetConfig(decoder_ttl_s=TTL_S, router_handle_ttl_s=None, sidecar=True)
+    config = FleetConfig(
+        decoder_ttl_s=TTL_S, router_handle_ttl_s=None, sidecar=True, max_num_seqs_decode=DECODE_SLOTS
+    )
     yield from fleet_fixture(config, request)
 
 
@@ -274,6 +282,9 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
         await asyncio.sleep(AGAIN_AFTER_S)
         return first, await traced.run(REUSE_AGAIN, session)
 
+    async def burst(session: aiohttp.ClientSession) -> list[list[TurnResult]]:
+        return list(await asyncio.gather(*(traced.run(c, session) for c in BURST)))
+
     async def main() -> list[list[TurnResult]]:
         async with aiohttp.ClientSession() as session:
             (
@@ -282,17 +293,19 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
                 short,
                 (lapse, tail),
                 (lapse_again, tail_again),
+                bursts,
             ) = await asyncio.gather(
                 reuse_twice(session),
                 untraced.run(ANONYMOUS, session),
                 traced.run(SHORT, session),
                 lapse_then_tail(LAPSE, TAIL, session),
                 second_lapse(session),
+                burst(session),
             )
-            return [reuse, reuse_again, anonymous, short, lapse, tail, lapse_again, tail_again]
+            return [reuse, reuse_again, anonymous, short, lapse, tail, lapse_again, tail_again, *bursts]
 
     runs = asyncio.run(main())
-    conversations = [REUSE, REUSE_AGAIN, ANONYMOUS, SHORT, LAPSE, TAIL, LAPSE_AGAIN, TAIL_AGAIN]
+    conversations = [REUSE, REUSE_AGAIN, ANONYMOUS, SHORT, LAPSE, TAIL, LAPSE_AGAIN, TAIL_AGAIN, *BURST]
     results = {c.conversation_id: r for c, r in zip(conversations, runs, strict=True)}
     for conversation, turns in results.items():
         if conversation in LAPSES:
@@ -487,6 +500,9 @@ def test_the_run_itself_covers_what_the_panels_are_about(run: Run, prometheus: P
         s["metric"][q.SOURCE] for s in prometheus.query(q.hist_count(names.METRIC_TURN_GAP_SECONDS), at)
     }
     assert {names.GAP_SOURCE_AGENT_SPANS, names.GAP_SOURCE_MESSAGES} <= gap_sources
+    # The burst queued: some scrape saw requests waiting on the decode node.
+    window = f"{math.ceil(run.end - run.start)}s"
+    assert total(f"max(max_over_time({vllm_metrics.NUM_REQUESTS_WAITING}[{window}]))") >= 1
     assert run.end - run.start < timedelta(minutes=5).total_seconds()
 
 
