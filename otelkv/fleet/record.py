@@ -149,10 +149,12 @@ def record(
     failed = manifest["turns"]["failed"]
     print(
         f"recorded {manifest['turns']['sent']} turns ({failed} failed, "
-        f"{manifest['turns']['interrupted']} interrupted on purpose) into {store}\n"
-        f"compare two runs with: otelkv compare RUN_A RUN_B [--html report.html]",
+        f"{manifest['turns']['interrupted']} interrupted on purpose) into {store}",
         file=out,
     )
+    for failure in manifest["failures"]:
+        print(f"  failed: {failure} (see otelkv why, or the engine logs in {workdir})", file=out)
+    print("compare two runs with: otelkv compare RUN_A RUN_B [--html report.html]", file=out)
     return manifest
 
 

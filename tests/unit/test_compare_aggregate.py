@@ -327,3 +327,18 @@ def test_buckets_and_stats() -> None:
     ]
     assert stats([]) == {"count": 0, "p50_s": None, "p95_s": None, "mean_s": None}
     assert stats([3.0, 1.0, 2.0]) == {"count": 3, "p50_s": 2.0, "p95_s": 3.0, "mean_s": 2.0}
+
+
+def test_turns_that_failed_while_recording_are_named_in_the_notes() -> None:
+    a, b = runs()
+    b.manifest = {
+        **MANIFEST_B,
+        "turns": {"sent": 24, "ok": 23, "failed": 1, "interrupted": 0},
+        "failures": ["pause-beyond-ttl-1#2: Internal Server Error"],
+    }
+    notes = compare_runs(a, b)["notes"]
+    assert (
+        "B: 1 of 24 turns failed while recording (pause-beyond-ttl-1#2: Internal Server Error); "
+        "they count as errors, not in TTFT"
+    ) in notes
+    assert not any(n.startswith("A:") for n in notes)

@@ -129,3 +129,14 @@ def test_read_manifest_of_a_store_without_one(tmp_path: Path) -> None:
     assert read_manifest(tmp_path) is None
     (tmp_path / names.RUN_MANIFEST_FILE).write_text(json.dumps({"format": 1}))
     assert read_manifest(tmp_path) == {"format": 1}
+
+
+def test_failed_turns_do_not_fail_the_recording_unless_none_succeeded() -> None:
+    from otelkv.cli.fleet_cmd import record_exit_code
+
+    def manifest(sent: int, ok: int) -> dict[str, Any]:
+        return {"turns": {"sent": sent, "ok": ok, "failed": sent - ok, "interrupted": 0}}
+
+    assert record_exit_code(manifest(24, 23)) == 0
+    assert record_exit_code(manifest(24, 0)) == 1
+    assert record_exit_code(manifest(0, 0)) == 0

@@ -254,6 +254,14 @@ def workload_notes(a: Run, b: Run, counts: dict[str, int]) -> list[str]:
     if not ma or not mb:
         missing = " and ".join(r.label for r, m in ((a, ma), (b, mb)) if not m)
         notes.append(f"no run manifest for {missing}: settings are read from the spans only")
+    for run, manifest in ((a, ma), (b, mb)):
+        recorded = manifest.get("turns") or {}
+        if recorded.get("failed"):
+            listed = "; ".join(manifest.get("failures") or [])
+            notes.append(
+                f"{run.label}: {recorded['failed']} of {recorded.get('sent', '?')} turns failed while "
+                f"recording ({listed}); they count as errors, not in TTFT"
+            )
     for key in ("scenarios", "scenario_params"):
         if ma and mb and ma.get(key) != mb.get(key):
             notes.append(
