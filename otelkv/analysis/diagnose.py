@@ -225,9 +225,10 @@ def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
             f"The {leg.role} node tried to read KV that had expired{ttl_text}; with "
             f"kv_load_failure_policy={policy or 'fail'} vLLM failed the request instead of recomputing.",
             evidence,
-            "Set kv_load_failure_policy=recompute in vLLM's --kv-transfer-config so an expired read "
-            "falls back to recomputing, and keep the router's handle TTL below decoder_kv_blocks_ttl "
-            "so it never forwards a handle the decode node has already freed.",
+            "Keep the router's handle TTL at least vLLM's 5s read margin below decoder_kv_blocks_ttl, "
+            "so it never forwards a handle the decode node has freed or is about to decline. "
+            "kv_load_failure_policy=recompute is no way out on vLLM 0.32: a declined read then leaves "
+            "the request waiting for remote KV until it is aborted (tried on the reference fleet).",
             turn.request_s + recompute_s(turn, lost_tokens(turn), ctx),
         )
     return None
@@ -604,10 +605,11 @@ def check_late_read(turn: Turn, ctx: Context) -> Diagnosis | None:
         f"it and {then}.",
         evidence,
         "The KV was there when the turn arrived; the time went inside the prefill node before the "
-        "read started (its scheduler busy, or its processes starved of CPU as on the 2-core "
-        "reference fleet). Check the prefill node's CPU headroom and queue "
-        "(vllm:num_requests_waiting, vllm:nixl_post_time_seconds). A longer TTL only buys margin; "
-        "kv_load_failure_policy=recompute turns such reads into recomputes instead of errors.",
+        "read started (its scheduler busy, or its KV thread starved of CPU). Check the prefill "
+        "node's CPU headroom and queue (vllm:num_requests_waiting, vllm:nixl_post_time_seconds); on "
+        "a CPU host with several engines, give each engine's NIXL thread a core of its own (vLLM "
+        "pins it to the last core of the NUMA node, the same one for every engine). A longer TTL "
+        "only buys margin.",
         late.wait_s,
     )
 
@@ -618,8 +620,9 @@ def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
     A P->D read of a few blocks takes milliseconds on any link; seconds mean the read
     waited for something: the prefill node's NIXL agent (with a two-sided transport an
     idle engine progresses a read only at its next step or lease reaping) or a process
-    starved of CPU. Seen on the reference fleet (UCX cma,tcp, 2 busy cores): posting the
-    read blocked 30 s, until the prefill lease was reaped.
+    starved of CPU. Seen on the reference fleet while vLLM pinned both engines' NIXL
+    threads to one of its 2 cores: posting the read blocked 30 s, until the prefill lease
+    was reaped.
     """
     d = turn.decode
     if d is None or d.transfer is None:
@@ -649,10 +652,10 @@ def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
         f"({t.direction} over {t.backend or 'NIXL'}){post_text}.",
         evidence,
         "A read that blocks for seconds waits on the remote NIXL agent or a starved process, not "
-        "the wire: check the prefill node's CPU headroom (its engine and UCX threads must run), "
-        "keep NIXL's progress thread on, prefer one-sided transports (UCX_TLS with rc/cuda_ipc on "
-        "GPU fleets, not tcp alone), and compare with vllm:nixl_post_time_seconds / "
-        "vllm:nixl_xfer_time_seconds on the decode node.",
+        "the wire: check both nodes' CPU headroom (their engine and KV threads must run; on a CPU "
+        "host with several engines vLLM pins every engine's NIXL thread to the same core), prefer "
+        "one-sided transports (UCX_TLS with rc/cuda_ipc on GPU fleets, not tcp alone), and compare "
+        "with vllm:nixl_post_time_seconds / vllm:nixl_xfer_time_seconds on the decode node.",
         wait,
     )
 
