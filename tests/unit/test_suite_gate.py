@@ -37,22 +37,21 @@ def test_the_whole_suite_green_passes(suite: pytest.Pytester) -> None:
     assert result.ret == 0, result.stdout.str()
 
 
-def test_a_module_skipped_at_collection_fails_the_run(suite: pytest.Pytester) -> None:
-    (suite.path / "tests" / "unit" / "test_extra.py").write_text(
-        "import pytest\npytest.importorskip('no_such_module_here')\n" + PASSING
-    )
+@pytest.mark.parametrize(
+    ("module", "says"),
+    [
+        (  # a module-level importorskip: skipped at collection, no test report at all
+            "import pytest\npytest.importorskip('no_such_module_here')\n" + PASSING,
+            "*1 module(s) skipped at collection: tests/unit/test_extra.py*",
+        ),
+        ("import pytest\n\n@pytest.mark.skip(reason='not here')\n" + PASSING, "*1 test(s) skipped*"),
+    ],
+)
+def test_a_skip_fails_the_run(suite: pytest.Pytester, module: str, says: str) -> None:
+    (suite.path / "tests" / "unit" / "test_extra.py").write_text(module)
     result = run(suite)
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["*1 module(s) skipped at collection: tests/unit/test_extra.py*"])
-
-
-def test_a_skipped_test_fails_the_run(suite: pytest.Pytester) -> None:
-    (suite.path / "tests" / "unit" / "test_extra.py").write_text(
-        "import pytest\n\n@pytest.mark.skip(reason='not here')\n" + PASSING
-    )
-    result = run(suite)
-    assert result.ret == 1
-    result.stdout.fnmatch_lines(["*1 test(s) skipped*"])
+    result.stdout.fnmatch_lines([says])
 
 
 def test_deselecting_fleet_tests_fails_the_run(suite: pytest.Pytester) -> None:
