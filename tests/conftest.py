@@ -3,8 +3,8 @@
 With ``OTELKV_REQUIRE_FLEET_TESTS=1`` (set by ``scripts/test.sh``, hence by CI) a run
 passes only if it was the whole suite and all of it passed: every test module under
 ``tests/`` collected, nothing skipped (at collection, as a module-level ``importorskip``
-does, or at run time), nothing deselected (``-k``, ``-m``, ``--lf``), and at least one
-real-engine (``tests/fleet``) and one unit test passed. A missing dependency, an empty
+does, or at run time), nothing deselected (``-k``, ``-m``) or left out (``--lf``,
+``--sw``), and at least one real-engine (``tests/fleet``) and one unit test passed. A missing dependency, an empty
 selection or a narrowed one is a failure there, with the reason printed. Run pytest
 directly, without the variable, to run a part of the suite.
 """
@@ -35,7 +35,11 @@ def _fresh_tracers() -> None:
 
 def suite_modules() -> set[Path]:
     """Every test module of the suite (the npm tree of the TraceQL checker is not ours)."""
-    return {p for p in TESTS.rglob("test_*.py") if "node_modules" not in p.parts}
+    found = set()
+    for folder, subfolders, files in os.walk(TESTS):
+        subfolders[:] = [d for d in subfolders if d != "node_modules" and not d.startswith(".")]
+        found.update(Path(folder, f) for f in files if f.startswith("test_") and f.endswith(".py"))
+    return found
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
@@ -75,7 +79,7 @@ def gate_problems(
             f"{len(collect_skipped)} module(s) skipped at collection: {', '.join(collect_skipped)}"
         )
     if outcomes["deselected"]:
-        problems.append(f"{outcomes['deselected']} test(s) deselected (-k, -m, --lf ...)")
+        problems.append(f"{outcomes['deselected']} test(s) deselected (-k, -m ...)")
     if missing_modules:
         shown = ", ".join(missing_modules[:5]) + (" ..." if len(missing_modules) > 5 else "")
         problems.append(f"{len(missing_modules)} test module(s) not run: {shown}")
@@ -86,7 +90,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if os.environ.get(REQUIRE_ENV) != "1" or exitstatus not in (0, 5):
         return
     missing = sorted(str(p.relative_to(TESTS.parent)) for p in suite_modules() - _collected_modules)
+    # --lf and --sw drop passed tests without reporting them as deselected.
+    narrowing = [o for o in ("lf", "stepwise") if session.config.getoption(o, default=False)]
     problems = gate_problems(_outcomes, _collect_skipped, missing)
+    if narrowing:
+        problems.append("run with " + ", ".join(f"--{o}" for o in narrowing))
     if problems:
         print(
             f"\notelkv: not a green run of the whole suite ({REQUIRE_ENV}=1): "

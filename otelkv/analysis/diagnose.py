@@ -223,7 +223,7 @@ def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
             names.DIAG_EXPIRED_READ_FAILED,
             TITLES[names.DIAG_EXPIRED_READ_FAILED],
             f"The {leg.role} node tried to read KV that had expired{ttl_text}; with "
-            f"kv_load_failure_policy={policy or 'fail'} vLLM failed the request instead of recomputing.",
+            f"kv_load_failure_policy={policy or 'fail'} vLLM failed the request.",
             evidence,
             "Keep the router's handle TTL at least vLLM's 5s read margin below decoder_kv_blocks_ttl, "
             "so it never forwards a handle the decode node has freed or is about to decline. "

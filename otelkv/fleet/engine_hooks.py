@@ -19,9 +19,11 @@ changes, starve the host and the engines themselves:
   cma reads are one-sided, and an engine that holds blocks for another keeps stepping
   while it does.
 
-Measured on the reference fleet (2 cores, ``docs/performance.md``): an idle pair used 1.98
-cores before and 0.04 after; turns that pull took 0.5-0.8 s instead of 1.2-2.1 s; every
-pull, expiry and retention outcome of the same workload was the same.
+What it changes on the reference fleet (2 cores) is measured side by side by
+``bench/fleet_idle.py`` (figures in ``docs/performance.md``): an idle pair uses 0.05 cores
+instead of 2, pulling turns take about a second instead of 4-12 s at the median, and the
+same workload pulls the same tokens, fails the same turn and ends its retentions the same
+way.
 
 :func:`install` runs in every process of an engine: ``engine_site/sitecustomize.py``, on
 the engines' ``PYTHONPATH``, calls it at interpreter start-up, before vLLM is imported.
@@ -35,6 +37,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -70,20 +73,30 @@ def without_progress_thread(api: ModuleType) -> bool:
     return True
 
 
-def pinning_to(cores: set[int], setaffinity: Any) -> Any:
+SetAffinity = Callable[[int, Iterable[int]], None]
+
+
+def pinning_to(cores: set[int], setaffinity: SetAffinity) -> SetAffinity:
     """``os.sched_setaffinity`` that pins to ``cores`` when vLLM's NIXL worker pins itself.
 
     Every other caller gets the call it made: only the one line of vLLM that reserves a
-    core for KV transfers is redirected.
+    core for KV transfers is redirected. If ``cores`` cannot be used (not allowed in this
+    process), the call vLLM made goes through instead.
     """
 
-    def sched_setaffinity(pid: int, mask: Any) -> None:
+    def sched_setaffinity(pid: int, mask: Iterable[int]) -> None:
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if pid == 0 and caller.endswith(_PINNING_MODULE_SUFFIX):
-            _note(f"NIXL worker thread pinned to core(s) {sorted(cores)} instead of {sorted(mask)}")
-            mask = cores
+            try:
+                setaffinity(pid, cores)
+            except OSError as exc:
+                _note(f"NIXL worker thread left on vLLM's core(s): core(s) {sorted(cores)}: {exc}")
+            else:
+                _note(f"NIXL worker thread pinned to core(s) {sorted(cores)} instead of {sorted(mask)}")
+                return
         setaffinity(pid, mask)
 
+    sched_setaffinity._otelkv_pinning = True  # type: ignore[attr-defined]
     return sched_setaffinity
 
 
@@ -98,22 +111,34 @@ def parse_cores(text: str) -> set[int]:
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
     """Finds NIXL's ``_api`` module as usual and patches it once it has been executed."""
 
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if name not in _NIXL_API_MODULES:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader)
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+        except Exception as exc:  # noqa: BLE001 - then the normal finders import it unpatched
+            _note(f"could not look for {name}: {exc!r}")
+            return None
         return spec
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any) -> None:
+    """The module's own loader, plus the patch after it has executed the module."""
+
+    def __init__(self, inner: importlib.abc.Loader) -> None:
         self.inner = inner
 
+    def __getattr__(self, name: str) -> Any:  # get_source, get_code, is_package, ...
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        module: ModuleType | None = self.inner.create_module(spec)
-        return module
+        return self.inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
@@ -124,17 +149,24 @@ class _PatchingLoader(importlib.abc.Loader):
             _note(f"could not turn the NIXL progress thread off: {exc!r}")
 
 
-def install(environ: dict[str, str] | None = None) -> None:
-    """Apply what the environment asks for (see the module docstring); never raises."""
+def install(environ: Mapping[str, str] | None = None) -> None:
+    """Apply what the environment asks for (see the module docstring); never raises.
+
+    Each setting is applied on its own, once per process however often this is called.
+    """
     env = os.environ if environ is None else environ
-    try:
-        if env.get(PROGRESS_THREAD_ENV) == "0":
-            loaded = [sys.modules[m] for m in _NIXL_API_MODULES if m in sys.modules]
-            for module in loaded:
-                without_progress_thread(module)
+    if env.get(PROGRESS_THREAD_ENV) == "0":
+        try:
+            for name in _NIXL_API_MODULES:
+                if name in sys.modules:
+                    without_progress_thread(sys.modules[name])
             if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
                 sys.meta_path.insert(0, _PatchAfterImport())
-        if env.get(KV_CORE_ENV):
-            os.sched_setaffinity = pinning_to(parse_cores(env[KV_CORE_ENV]), os.sched_setaffinity)
-    except Exception as exc:  # noqa: BLE001 - the engine must start whatever happens here
-        _note(f"engine start-up settings not applied: {exc!r}")
+        except Exception as exc:  # noqa: BLE001 - the engine must start whatever happens here
+            _note(f"NIXL progress thread left on: {exc!r}")
+    if env.get(KV_CORE_ENV):
+        try:
+            if not getattr(os.sched_setaffinity, "_otelkv_pinning", False):
+                os.sched_setaffinity = pinning_to(parse_cores(env[KV_CORE_ENV]), os.sched_setaffinity)
+        except Exception as exc:  # noqa: BLE001 - the engine must start whatever happens here
+            _note(f"NIXL worker thread left on vLLM's core: {exc!r}")

@@ -159,16 +159,19 @@ class Engine:
         )
         if self.spec.cpu_core is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.spec.cpu_core)
+        env.update(self.spec.env)
+        # The start-up hooks: only what this spec asks for, whatever the parent inherited.
         hooks = {}
         if not self.spec.nixl_progress_thread:
             hooks[engine_hooks.PROGRESS_THREAD_ENV] = "0"
         if self.spec.own_kv_core and self.spec.cpu_core is not None:
             hooks[engine_hooks.KV_CORE_ENV] = str(self.spec.cpu_core)
+        for name in (engine_hooks.PROGRESS_THREAD_ENV, engine_hooks.KV_CORE_ENV):
+            env.pop(name, None)
         if hooks:
             env.update(hooks)
             path = env.get("PYTHONPATH")
             env["PYTHONPATH"] = os.pathsep.join([str(engine_hooks.SITE_DIR), *([path] if path else [])])
-        env.update(self.spec.env)
         return env
 
     def start(self) -> Engine:

@@ -342,3 +342,9 @@ def test_turns_that_failed_while_recording_are_named_in_the_notes() -> None:
         "they count as errors, not in TTFT"
     ) in notes
     assert not any(n.startswith("A:") for n in notes)
+    b.manifest = {**b.manifest, "turns": {"sent": 24, "ok": 21, "failed": 3, "interrupted": 0}}
+    assert "B: 3 of 24 turns failed while recording (the first 1: pause-beyond-ttl-1#2" in " ".join(
+        compare_runs(a, b)["notes"]
+    )
+    b.manifest = {**b.manifest, "failures": []}  # a manifest that lists none
+    assert "B: 3 of 24 turns failed while recording; they count" in " ".join(compare_runs(a, b)["notes"])

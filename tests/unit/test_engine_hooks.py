@@ -62,11 +62,44 @@ def test_bad_cores_are_refused(text: str) -> None:
         engine_hooks.parse_cores(text)
 
 
-def test_install_never_raises_on_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_core_the_process_may_not_use_leaves_vllms_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[set[int]] = []
+
+    def setaffinity(pid: int, mask: object) -> None:
+        if set(mask) == {99}:  # type: ignore[call-overload]
+            raise OSError(22, "Invalid argument")
+        calls.append(set(mask))  # type: ignore[call-overload]
+
+    pin = engine_hooks.pinning_to({99}, setaffinity)
+    _call_from("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker", pin, 0, [1])
+    assert calls == [{1}]
+    assert "left on vLLM's core(s)" in capsys.readouterr().err
+
+
+def test_install_never_raises_and_wraps_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     before = os.sched_setaffinity
     engine_hooks.install({engine_hooks.KV_CORE_ENV: "not-a-core"})
     assert os.sched_setaffinity is before
-    assert "not applied" in capsys.readouterr().err
+    assert "left on vLLM's core" in capsys.readouterr().err
+    monkeypatch.setattr(os, "sched_setaffinity", before)  # restored after the test
+    engine_hooks.install({engine_hooks.KV_CORE_ENV: "0"})
+    wrapped = os.sched_setaffinity
+    assert wrapped is not before
+    engine_hooks.install({engine_hooks.KV_CORE_ENV: "0"})
+    assert os.sched_setaffinity is wrapped
+
+
+def test_the_vllm_line_that_pins_is_still_where_the_hook_looks() -> None:
+    """If vLLM moves or changes its pinning call, the redirect would silently do nothing."""
+    import importlib.util
+
+    pytest.importorskip("vllm")
+    spec = importlib.util.find_spec("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    assert spec is not None and spec.origin is not None
+    assert spec.name.endswith(engine_hooks._PINNING_MODULE_SUFFIX)
+    assert "os.sched_setaffinity(0, " in Path(spec.origin).read_text()
 
 
 def _spec(**kw: object) -> EngineSpec:
@@ -81,11 +114,20 @@ def test_engine_environment_carries_the_settings(tmp_path: Path) -> None:
     assert (engine_hooks.SITE_DIR / "sitecustomize.py").is_file()
 
 
-def test_engine_started_as_vllm_does_gets_none_of_them(tmp_path: Path) -> None:
+def test_engine_started_as_vllm_does_gets_none_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(engine_hooks.PROGRESS_THREAD_ENV, "0")  # inherited from a parent fleet
+    monkeypatch.setenv(engine_hooks.KV_CORE_ENV, "0")
     env = Engine(_spec(nixl_progress_thread=True, own_kv_core=False), tmp_path / "log").environment()
     assert engine_hooks.PROGRESS_THREAD_ENV not in env
     assert engine_hooks.KV_CORE_ENV not in env
     assert str(engine_hooks.SITE_DIR) not in env.get("PYTHONPATH", "")
+
+
+def test_a_pythonpath_of_the_spec_keeps_the_hooks_first(tmp_path: Path) -> None:
+    env = Engine(_spec(env={"PYTHONPATH": "/opt/extra"}), tmp_path / "log").environment()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(engine_hooks.SITE_DIR), "/opt/extra"]
 
 
 PROBE = """
@@ -111,15 +153,19 @@ def test_a_fresh_engine_interpreter_creates_nixl_agents_without_the_progress_thr
     """The real start-up path: ``sitecustomize`` from ``PYTHONPATH``, NIXL's real ``_api``."""
     other = tmp_path / "other_site"
     other.mkdir()
-    (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITE_RAN'] = 'yes'\n")
+    (other / "sitecustomize.py").write_text(
+        "import os\nos.environ['OTHER_SITE_RAN'] = os.environ.get('OTHER_SITE_RAN', '') + 'yes'\n"
+    )
+    alias = tmp_path / "same_site"  # this directory again under another name: must not recurse
+    alias.symlink_to(engine_hooks.SITE_DIR)
     env = Engine(_spec(), tmp_path / "log").environment()
-    env["PYTHONPATH"] += os.pathsep + str(other)
+    env["PYTHONPATH"] += os.pathsep + str(alias) + os.pathsep + str(other)
     found = _probe(env)
     assert found == {
         "progress_thread": False,
         "num_threads": 4,
         "setaffinity_wrapped": True,
-        "other_site": "yes",  # the sitecustomize it shadows still runs
+        "other_site": "yes",  # the sitecustomize it shadows still runs, once
     }
 
 

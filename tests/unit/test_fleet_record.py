@@ -139,4 +139,4 @@ def test_failed_turns_do_not_fail_the_recording_unless_none_succeeded() -> None:
 
     assert record_exit_code(manifest(24, 23)) == 0
     assert record_exit_code(manifest(24, 0)) == 1
-    assert record_exit_code(manifest(0, 0)) == 0
+    assert record_exit_code(manifest(0, 0)) == 1

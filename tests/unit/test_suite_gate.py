@@ -66,6 +66,19 @@ def test_running_part_of_the_suite_fails_the_run(suite: pytest.Pytester) -> None
     result.stdout.fnmatch_lines(["*no unit test passed*1 test module(s) not run: tests/unit/test_unit.py*"])
 
 
+def test_last_failed_only_fails_the_run(suite: pytest.Pytester) -> None:
+    (suite.path / "tests" / "unit" / "test_unit.py").write_text(
+        PASSING + "\n\ndef test_bad() -> None:\n    assert False\n"
+    )
+    assert suite.runpytest_subprocess("tests").ret == 1  # leaves test_bad in the cache
+    (suite.path / "tests" / "unit" / "test_unit.py").write_text(
+        PASSING + "\n\ndef test_bad() -> None:\n    pass\n"
+    )
+    result = suite.runpytest_subprocess("tests", "--lf")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*run with --lf*"])
+
+
 def test_without_the_variable_a_part_may_run(suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTELKV_REQUIRE_FLEET_TESTS")
     result = run(suite, "-k", "not other")

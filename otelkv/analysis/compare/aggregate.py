@@ -256,11 +256,14 @@ def workload_notes(a: Run, b: Run, counts: dict[str, int]) -> list[str]:
         notes.append(f"no run manifest for {missing}: settings are read from the spans only")
     for run, manifest in ((a, ma), (b, mb)):
         recorded = manifest.get("turns") or {}
-        if recorded.get("failed"):
-            listed = "; ".join(manifest.get("failures") or [])
+        failed = recorded.get("failed") or 0
+        if failed:
+            listed = manifest.get("failures") or []
+            first = "" if len(listed) >= failed else f"the first {len(listed)}: "
+            which = f" ({first}{'; '.join(listed)})" if listed else ""
             notes.append(
-                f"{run.label}: {recorded['failed']} of {recorded.get('sent', '?')} turns failed while "
-                f"recording ({listed}); they count as errors, not in TTFT"
+                f"{run.label}: {failed} of {recorded.get('sent', '?')} turns failed while recording"
+                f"{which}; they count as errors, not in TTFT"
             )
     for key in ("scenarios", "scenario_params"):
         if ma and mb and ma.get(key) != mb.get(key):
