@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,48 @@ class EngineStartError(RuntimeError):
     """A vLLM engine exited or did not become healthy; the message carries its log tail."""
 
 
+LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+_pick = random.Random()
+
+
+def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections and ``bind(0)`` (Linux's default
+    range when the file is missing or unreadable)."""
+    try:
+        low, high = (int(v) for v in Path(path).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on now, for a process started later to bind.
+
+    The port is picked below the kernel's ephemeral range: a port from ``bind(0)`` comes
+    from that range, so any outgoing connection opened before the engine binds it can take
+    it (seen: an engine's NIXL side channel failed with "Address already in use", and the
+    engine never became healthy). Each port is handed out once per process. Falls back to
+    ``bind(0)`` when the range leaves no room below it.
+    """
+    low, _ = ephemeral_port_range()
+    if low - LOWEST_PORT >= 1000:
+        for _ in range(200):
+            port = _pick.randrange(LOWEST_PORT, low)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
 
 
 @dataclass(frozen=True)
