@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from otelkv import names
 from otelkv.analysis import report
-from otelkv.analysis.report import StoreSource
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.analysis.sources import StoreSource
+from otelkv.spans import SpanRecord
 from otelkv.store import queries
 from otelkv.store.chdb_store import ChdbStore, spans_to_arrow
 from otelkv.store.schema import COLUMNS

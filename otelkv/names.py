@@ -1,7 +1,8 @@
 """Every span name, attribute key, metric name and fixed vocabulary otelkv emits.
 
-Engine-side code, the reference fleet, tests (and later the sidecar, store queries and
-dashboards) import names from here, so a rename is one edit and a grep finds every use.
+Every layer (engine, spans, store, analysis, sidecar, dashboards, fleet, CLI) and the tests
+import names from here, so a rename is one edit and a grep finds every use. Nothing here
+imports anything of otelkv's.
 
 Choices, in order of preference:
 
@@ -19,6 +20,7 @@ takes its values from one of the closed vocabularies at the end of this module.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
 # --------------------------------------------------------------------------------------
@@ -70,6 +72,23 @@ def transfer_span_name(direction: str) -> str:
 
 def retention_span_name(kind: str) -> str:
     return SPAN_RETENTION.format(kind=kind)
+
+
+def span_name_prefix(template: str) -> str:
+    """The fixed part of a span-name template, with its space: ``kv_request {role}`` ->
+    ``kv_request ``. ``router {operation}`` and ``router_leg {role}`` stay apart."""
+    return template.split("{", 1)[0]
+
+
+# --------------------------------------------------------------------------------------
+# Operation values (``gen_ai.operation.name``, GenAI conventions)
+# --------------------------------------------------------------------------------------
+
+OPERATION_CHAT: Final = "chat"
+OPERATION_TEXT_COMPLETION: Final = "text_completion"
+OPERATION_EXECUTE_TOOL: Final = "execute_tool"
+TURN_OPERATIONS: Final = (OPERATION_CHAT, OPERATION_TEXT_COMPLETION)
+"""The operations of a turn span: the sidecar names both ``chat {model}``."""
 
 
 # --------------------------------------------------------------------------------------
@@ -333,6 +352,11 @@ TOKEN_SOURCE_LOCAL_CACHE: Final = "local_cache"
 TOKEN_SOURCE_PULLED: Final = "pulled"
 TOKEN_SOURCES: Final = (TOKEN_SOURCE_COMPUTED, TOKEN_SOURCE_LOCAL_CACHE, TOKEN_SOURCE_PULLED)
 
+TURN_STATUS_OK: Final = "ok"
+TURN_STATUS_ERROR: Final = "error"
+"""The span had status Error or an HTTP status of 400 or more."""
+TURN_STATUSES: Final = (TURN_STATUS_OK, TURN_STATUS_ERROR)
+
 ROUTER_HANDLE_HIT: Final = "hit"
 ROUTER_HANDLE_MISS: Final = "miss"
 ROUTER_HANDLE_STALE: Final = "stale"
@@ -536,6 +560,192 @@ def turn_index_bucket(index: int) -> str:
     if index < 32:
         return "16-31"
     return "32+"
+
+
+# --------------------------------------------------------------------------------------
+# The metric table: every metric otelkv exports, with its type, labels and help. The
+# engine's Prometheus metrics (``otelkv.engine.prom``), the sidecar's (``otelkv.sidecar.
+# metrics``) and the dashboards' PromQL label sets are derived from it.
+# --------------------------------------------------------------------------------------
+
+LABEL_DECISION: Final = "decision"
+LABEL_REASON: Final = "reason"
+LABEL_ROLE: Final = "role"
+LABEL_SOURCE: Final = "source"
+LABEL_DIRECTION: Final = "direction"
+LABEL_BACKEND: Final = "backend"
+LABEL_OUTCOME: Final = "outcome"
+LABEL_KIND: Final = "kind"
+LABEL_SITE: Final = "site"
+LABEL_PHASE: Final = "phase"
+LABEL_MODEL: Final = "model"
+"""The sidecar's label for the requested model (capped, then ``other``). Engine series carry
+vLLM's own ``model_name`` and ``engine`` labels instead."""
+LABEL_TURN_INDEX: Final = "turn_index"
+LABEL_STATUS: Final = "status"
+LABEL_STREAM: Final = "stream"
+
+COUNTER: Final = "counter"
+GAUGE: Final = "gauge"
+HISTOGRAM: Final = "histogram"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One exported metric. ``labels`` are otelkv's own; vLLM adds ``model_name`` and
+    ``engine`` in front of an engine metric's."""
+
+    name: str
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+ENGINE_METRICS: Final = (
+    Metric(
+        METRIC_PULL_DECISIONS,
+        COUNTER,
+        (LABEL_DECISION, LABEL_REASON),
+        "Prefill-node pull-or-recompute decisions for the decode node's KV, by final reason.",
+    ),
+    Metric(
+        METRIC_PREFILL_TOKENS,
+        COUNTER,
+        (LABEL_ROLE, LABEL_SOURCE),
+        "Prompt tokens by where their KV came from (computed, local prefix cache, pulled).",
+    ),
+    Metric(
+        METRIC_TRANSFERS,
+        COUNTER,
+        (LABEL_DIRECTION, LABEL_BACKEND, LABEL_OUTCOME),
+        "KV reads by this engine, by direction, NIXL backend and outcome.",
+    ),
+    Metric(
+        METRIC_TRANSFER_BYTES,
+        COUNTER,
+        (LABEL_DIRECTION, LABEL_BACKEND),
+        "Bytes of KV read over NIXL by this engine, by direction and backend.",
+    ),
+    Metric(
+        METRIC_TRANSFER_SECONDS,
+        HISTOGRAM,
+        (LABEL_DIRECTION, LABEL_BACKEND),
+        "NIXL-measured duration of successful KV reads, per request.",
+        TRANSFER_SECONDS_BUCKETS,
+    ),
+    Metric(
+        METRIC_RETENTIONS,
+        COUNTER,
+        (LABEL_KIND, LABEL_OUTCOME),
+        "Ended retentions of KV blocks kept for another engine, by kind and outcome.",
+    ),
+    Metric(
+        METRIC_RETENTION_BLOCK_SECONDS,
+        COUNTER,
+        (LABEL_KIND,),
+        "Blocks x seconds held by ended retentions (the memory cost of keeping KV).",
+    ),
+    Metric(
+        METRIC_RETAINED_BLOCKS,
+        GAUGE,
+        (LABEL_KIND,),
+        "KV blocks held right now for another engine to read.",
+    ),
+    Metric(
+        METRIC_RETAINED_BYTES,
+        GAUGE,
+        (LABEL_KIND,),
+        "Bytes of KV held right now for another engine to read (all TP ranks).",
+    ),
+    Metric(
+        METRIC_REQUESTS,
+        COUNTER,
+        (LABEL_ROLE, LABEL_OUTCOME),
+        "Requests that ended on this engine, by P/D role and outcome.",
+    ),
+    Metric(
+        METRIC_INSTRUMENTATION_ERRORS,
+        COUNTER,
+        (LABEL_SITE,),
+        "Exceptions caught inside otelkv (serving was not affected), by site.",
+    ),
+)
+"""Exported through vLLM's own ``/metrics`` (beside ``vllm:nixl_*``)."""
+
+SIDECAR_METRICS: Final = (
+    Metric(
+        METRIC_TURN_PHASE_SECONDS,
+        HISTOGRAM,
+        (LABEL_PHASE, LABEL_MODEL),
+        "Seconds of each agent turn spent in each phase.",
+        TURN_SECONDS_BUCKETS,
+    ),
+    Metric(
+        METRIC_TURN_TTFT_SECONDS,
+        HISTOGRAM,
+        (LABEL_TURN_INDEX, LABEL_MODEL),
+        "Time to first token of agent turns, by turn index (bucketed).",
+        TURN_SECONDS_BUCKETS,
+    ),
+    Metric(
+        METRIC_TURN_GAP_SECONDS,
+        HISTOGRAM,
+        (LABEL_SOURCE,),
+        "Gap before a turn (tool wait plus app work), by the evidence used to split it.",
+        TURN_SECONDS_BUCKETS,
+    ),
+    Metric(METRIC_TURNS, COUNTER, (LABEL_MODEL, LABEL_STATUS, LABEL_STREAM), "Turns the sidecar proxied."),
+    Metric(
+        METRIC_TRACE_PREFILL_TOKENS,
+        COUNTER,
+        (LABEL_SOURCE,),
+        "Prompt tokens on prefill nodes by where their KV came from (from engine spans).",
+    ),
+    Metric(
+        METRIC_TRACE_PULL_DECISIONS,
+        COUNTER,
+        (LABEL_DECISION, LABEL_REASON),
+        "Pull-or-recompute decisions on prefill nodes (from engine spans).",
+    ),
+    Metric(
+        METRIC_TRACE_TRANSFER_BYTES,
+        COUNTER,
+        (LABEL_DIRECTION, LABEL_BACKEND),
+        "KV bytes read over NIXL (from engine transfer spans).",
+    ),
+    Metric(
+        METRIC_TRACE_RETENTIONS,
+        COUNTER,
+        (LABEL_KIND, LABEL_OUTCOME),
+        "Retentions that ended on decode nodes (from engine spans).",
+    ),
+    Metric(METRIC_SIDECAR_SPANS_RECEIVED, COUNTER, (LABEL_SOURCE,), "Spans accepted for the store."),
+    Metric(METRIC_SIDECAR_SPANS_DROPPED, COUNTER, (LABEL_REASON,), "Spans that did not reach the store."),
+    Metric(
+        METRIC_SIDECAR_OTLP_REJECTED,
+        COUNTER,
+        (),
+        "OTLP exports refused (malformed, too large, media type).",
+    ),
+    Metric(
+        METRIC_SIDECAR_REQUESTS_REFUSED,
+        COUNTER,
+        (),
+        "Client requests refused by the proxy (malformed, too large, upgrade).",
+    ),
+    Metric(METRIC_SIDECAR_UPSTREAM_ERRORS, COUNTER, (), "Requests the upstream could not answer."),
+    Metric(
+        METRIC_SIDECAR_FORWARD_DROPPED,
+        COUNTER,
+        (LABEL_REASON,),
+        "Turn spans that did not reach the collector (OTEL_EXPORTER_OTLP_*).",
+    ),
+    Metric(METRIC_SIDECAR_STORE_QUEUE, GAUGE, (), "Spans waiting for the store writer."),
+)
+"""The sidecar's own ``/metrics``."""
+
+METRICS: Final = {m.name: m for m in (*ENGINE_METRICS, *SIDECAR_METRICS)}
 
 
 ENV_SIDECAR_TOKEN: Final = "OTELKV_TOKEN"

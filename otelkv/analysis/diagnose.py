@@ -54,38 +54,42 @@ class Diagnosis:
     fix: str = ""
     cost_s: float = 0.0
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "title": self.title,
-            "summary": self.summary,
-            "evidence": self.evidence,
-            "fix": self.fix,
-            "cost_s": round(self.cost_s, 6),
-        }
 
-    def brief(self) -> dict[str, Any]:
-        return {"id": self.id, "title": self.title, "summary": self.summary, "cost_s": round(self.cost_s, 6)}
+Check = Callable[[Turn, Context], "Diagnosis | None"]
 
 
-TITLES: dict[str, str] = {
-    names.DIAG_EXPIRED_READ_FAILED: "Expired KV read failed the request",
-    names.DIAG_STUCK_WAITING_FOR_REMOTE_KV: "Request stuck waiting for remote KV",
-    names.DIAG_TRANSFER_FAILED: "KV transfer failed",
-    names.DIAG_TTL_LAPSED: "Decode KV expired during the gap",
-    names.DIAG_KV_READ_STARTED_LATE: "Prefill node started the KV read too late",
-    names.DIAG_ROUTER_HANDLE_EXPIRED: "Router dropped the decode handle",
-    names.DIAG_DECODE_NO_HANDLE: "Decode returned no kv_transfer_params",
-    names.DIAG_BIDIRECTIONAL_OFF: "Bidirectional KV transfer off",
-    names.DIAG_NO_CONVERSATION_ID: "No conversation id from the client",
-    names.DIAG_BELOW_THRESHOLD: "Reusable KV below the recompute threshold",
-    names.DIAG_PULL_SLOWER_THAN_RECOMPUTE: "Pull slower than recomputing",
-    names.DIAG_SLOW_KV_HANDOFF: "Decode waited long for the prefill node's KV",
-    names.DIAG_QUEUEING: "Queueing before the engines",
-    names.DIAG_TOOL_WAIT_DOMINATES: "Tool wait dominates the turn",
-    names.DIAG_APP_WORK_DOMINATES: "Agent's own work dominates the turn",
-}
-"""Catalogue order: ties in cost rank in this order (failures first)."""
+@dataclass(frozen=True)
+class Registered:
+    """One diagnosis of the catalogue: its stable id, title, class and check."""
+
+    id: str
+    title: str
+    failure: bool
+    """A request that failed or hung: ranks above any slowness, whatever the cost, because a
+    turn that failed is not explained by the tool wait before it. Otherwise the diagnosis
+    is ranked by its cost in seconds."""
+    check: Check
+
+
+REGISTRY: dict[str, Registered] = {}
+"""The catalogue, in registration order: ties in cost rank in this order (failures first).
+``docs/diagnoses.md`` documents exactly these ids (a unit test holds it to that)."""
+
+
+def register(diag_id: str, title: str, *, failure: bool = False) -> Callable[[Check], Check]:
+    """Add a check to the catalogue under ``diag_id`` (each id once)."""
+
+    def add(check: Check) -> Check:
+        if diag_id in REGISTRY:
+            raise ValueError(f"diagnosis {diag_id!r} registered twice")
+        REGISTRY[diag_id] = Registered(diag_id, title, failure, check)
+        return check
+
+    return add
+
+
+def title(diag_id: str) -> str:
+    return REGISTRY[diag_id].title
 
 
 # ------------------------------------------------------------------ helpers
@@ -108,13 +112,15 @@ def lost_tokens(turn: Turn) -> int:
     leg = turn.prefill
     if leg is None or leg.pulled:
         return 0
-    computed = leg.computed if leg.computed is not None else max(leg.prompt_tokens - (leg.local_hit or 0), 0)
+    computed = (
+        leg.computed if leg.computed is not None else max(leg.prompt_tokens - (leg.local_cache or 0), 0)
+    )
     if leg.remote_reusable:
         return min(leg.remote_reusable, computed) if computed else leg.remote_reusable
     prev = turn.previous
     if prev is not None and prev.decode is not None:
         held = prev.decode.prompt_tokens + (prev.decode.output_tokens or 0)
-        return max(min(held - (leg.local_hit or 0), computed), 0)
+        return max(min(held - (leg.local_cache or 0), computed), 0)
     return computed
 
 
@@ -187,6 +193,7 @@ def late_read(turn: Turn) -> _LateRead | None:
 # ------------------------------------------------------------------ failures
 
 
+@register(names.DIAG_EXPIRED_READ_FAILED, "Expired KV read failed the request", failure=True)
 def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
     for leg in _legs(turn):
         if leg.outcome != names.OUTCOME_FAILED_KV_LOAD:
@@ -221,7 +228,7 @@ def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
             ttl_text = ""
         return Diagnosis(
             names.DIAG_EXPIRED_READ_FAILED,
-            TITLES[names.DIAG_EXPIRED_READ_FAILED],
+            title(names.DIAG_EXPIRED_READ_FAILED),
             f"The {leg.role} node tried to read KV that had expired{ttl_text}; with "
             f"kv_load_failure_policy={policy or 'fail'} vLLM failed the request.",
             evidence,
@@ -234,6 +241,7 @@ def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
     return None
 
 
+@register(names.DIAG_STUCK_WAITING_FOR_REMOTE_KV, "Request stuck waiting for remote KV", failure=True)
 def check_stuck(turn: Turn, ctx: Context) -> Diagnosis | None:
     for leg in _legs(turn):
         t_out = leg.transfer.outcome if leg.transfer else None
@@ -250,7 +258,7 @@ def check_stuck(turn: Turn, ctx: Context) -> Diagnosis | None:
         }
         return Diagnosis(
             names.DIAG_STUCK_WAITING_FOR_REMOTE_KV,
-            TITLES[names.DIAG_STUCK_WAITING_FOR_REMOTE_KV],
+            title(names.DIAG_STUCK_WAITING_FOR_REMOTE_KV),
             f"The {leg.role} request waited {waited or 0:.1f}s for remote KV that never arrived "
             "(parked in WAITING_FOR_REMOTE_KVS).",
             evidence,
@@ -262,6 +270,7 @@ def check_stuck(turn: Turn, ctx: Context) -> Diagnosis | None:
     return None
 
 
+@register(names.DIAG_TRANSFER_FAILED, "KV transfer failed", failure=True)
 def check_transfer_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
     for leg in _legs(turn):
         t = leg.transfer
@@ -287,7 +296,7 @@ def check_transfer_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
         cost += recompute_s(turn, lost_tokens(turn), ctx)
         return Diagnosis(
             names.DIAG_TRANSFER_FAILED,
-            TITLES[names.DIAG_TRANSFER_FAILED],
+            title(names.DIAG_TRANSFER_FAILED),
             f"The {direction} transfer on the {leg.role} node failed {tail}.",
             evidence,
             "Check the NIXL/UCX logs of both engines (UCX_TLS, network between the nodes, remote engine "
@@ -334,6 +343,7 @@ class _Lapse:
         )
 
 
+@register(names.DIAG_TTL_LAPSED, "Decode KV expired during the gap")
 def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     if not _not_first(turn):
         return None
@@ -371,7 +381,7 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
     return Diagnosis(
         names.DIAG_TTL_LAPSED,
-        TITLES[names.DIAG_TTL_LAPSED],
+        title(names.DIAG_TTL_LAPSED),
         f"{head}{held}, so prefill recomputed {tokens} tokens instead of pulling them.",
         evidence,
         fix,
@@ -379,6 +389,46 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+@register(names.DIAG_KV_READ_STARTED_LATE, "Prefill node started the KV read too late")
+def check_late_read(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The decode node still held the previous turn's KV when this turn arrived, but the
+    prefill node tried the read so late that vLLM declined it as expired."""
+    late = late_read(turn)
+    if late is None:
+        return None
+    leg, t = late.leg, late.leg.transfer
+    failed = leg.outcome == names.OUTCOME_FAILED_KV_LOAD
+    tokens = lost_tokens(turn)
+    evidence = {
+        "gap_s": _r(turn.gap_s),
+        "wait_before_read_s": _r(late.wait_s),
+        "decoder_kv_blocks_ttl_s": _r(late.ttl),
+        "read_margin_s": READ_EXPIRY_MARGIN_S,
+        "outcome": leg.outcome,
+        "transfer_outcome": t.outcome if t else None,
+        "engine_id": leg.engine_id,
+        "tokens_recomputed": None if failed else tokens,
+    }
+    then = "the request failed" if failed else f"prefill recomputed {tokens} tokens"
+    return Diagnosis(
+        names.DIAG_KV_READ_STARTED_LATE,
+        title(names.DIAG_KV_READ_STARTED_LATE),
+        f"The turn arrived {turn.gap_s:.1f}s after the previous one, well inside "
+        f"decoder_kv_blocks_ttl={late.ttl:g}s, but the prefill node only tried the read "
+        f"{late.wait_s:.1f}s later, within {READ_EXPIRY_MARGIN_S:g}s of the deadline; vLLM declined "
+        f"it and {then}.",
+        evidence,
+        "The KV was there when the turn arrived; the time went inside the prefill node before the "
+        "read started (its scheduler busy, or its KV thread starved of CPU). Check the prefill "
+        "node's CPU headroom and queue (vllm:num_requests_waiting, vllm:nixl_post_time_seconds); on "
+        "a CPU host with several engines, give each engine's NIXL thread a core of its own (vLLM "
+        "pins it to the last core of the NUMA node, the same one for every engine). A longer TTL "
+        "only buys margin.",
+        late.wait_s,
+    )
+
+
+@register(names.DIAG_ROUTER_HANDLE_EXPIRED, "Router dropped the decode handle")
 def check_router_dropped(turn: Turn, ctx: Context) -> Diagnosis | None:
     router = turn.router
     if router is None or router.handle != names.ROUTER_HANDLE_STALE:
@@ -399,7 +449,7 @@ def check_router_dropped(turn: Turn, ctx: Context) -> Diagnosis | None:
     ttl_text = f" though the decode node keeps KV for {ttl:g}s" if ttl is not None else ""
     return Diagnosis(
         names.DIAG_ROUTER_HANDLE_EXPIRED,
-        TITLES[names.DIAG_ROUTER_HANDLE_EXPIRED],
+        title(names.DIAG_ROUTER_HANDLE_EXPIRED),
         f"The router judged the {age:.1f}s-old decode handle stale and sent none{ttl_text}; "
         f"prefill recomputed {tokens} tokens.",
         evidence,
@@ -409,6 +459,7 @@ def check_router_dropped(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+@register(names.DIAG_DECODE_NO_HANDLE, "Decode returned no kv_transfer_params")
 def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
     if not _not_first(turn) or turn.prefill is None:
         return None
@@ -442,7 +493,7 @@ def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
     why = "the decode call was streamed" if streamed else "the decode node returned no kv_transfer_params"
     return Diagnosis(
         names.DIAG_DECODE_NO_HANDLE,
-        TITLES[names.DIAG_DECODE_NO_HANDLE],
+        title(names.DIAG_DECODE_NO_HANDLE),
         f"The previous turn left no decode handle ({why}), so prefill recomputed {tokens} tokens.",
         evidence,
         "Streamed responses of vLLM builds without kv_transfer_params in the final chunk give the router "
@@ -452,6 +503,7 @@ def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+@register(names.DIAG_BIDIRECTIONAL_OFF, "Bidirectional KV transfer off")
 def check_bidirectional_off(turn: Turn, ctx: Context) -> Diagnosis | None:
     leg = turn.prefill
     reason_off = leg is not None and leg.reason == names.REASON_BIDIRECTIONAL_OFF
@@ -473,7 +525,7 @@ def check_bidirectional_off(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     return Diagnosis(
         names.DIAG_BIDIRECTIONAL_OFF,
-        TITLES[names.DIAG_BIDIRECTIONAL_OFF],
+        title(names.DIAG_BIDIRECTIONAL_OFF),
         f"bidirectional_kv_xfer is off on the {side_text} node, so the decode node's KV is never read "
         f"back; prefill recomputed {tokens} tokens.",
         evidence,
@@ -483,6 +535,7 @@ def check_bidirectional_off(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+@register(names.DIAG_NO_CONVERSATION_ID, "No conversation id from the client")
 def check_no_conversation_id(turn: Turn, ctx: Context) -> Diagnosis | None:
     router = turn.router
     router_none = router is not None and router.handle == names.ROUTER_HANDLE_NO_CONVERSATION
@@ -507,7 +560,7 @@ def check_no_conversation_id(turn: Turn, ctx: Context) -> Diagnosis | None:
         )
     return Diagnosis(
         names.DIAG_NO_CONVERSATION_ID,
-        TITLES[names.DIAG_NO_CONVERSATION_ID],
+        title(names.DIAG_NO_CONVERSATION_ID),
         summary,
         evidence,
         "Send the conversation id on every request: header X-Conversation-Id (or X-Session-ID, or body "
@@ -516,6 +569,7 @@ def check_no_conversation_id(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+@register(names.DIAG_BELOW_THRESHOLD, "Reusable KV below the recompute threshold")
 def check_below_threshold(turn: Turn, ctx: Context) -> Diagnosis | None:
     leg = turn.prefill
     if leg is None or leg.reason != names.REASON_BELOW_THRESHOLD:
@@ -529,7 +583,7 @@ def check_below_threshold(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     return Diagnosis(
         names.DIAG_BELOW_THRESHOLD,
-        TITLES[names.DIAG_BELOW_THRESHOLD],
+        title(names.DIAG_BELOW_THRESHOLD),
         f"Only {reusable} reusable tokens were on the decode node, below kv_recompute_threshold="
         f"{leg.threshold}; prefill recomputed them.",
         evidence,
@@ -540,6 +594,7 @@ def check_below_threshold(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+@register(names.DIAG_PULL_SLOWER_THAN_RECOMPUTE, "Pull slower than recomputing")
 def check_pull_slower(turn: Turn, ctx: Context) -> Diagnosis | None:
     leg = turn.prefill
     if leg is None or leg.decision != names.DECISION_PULL or not leg.pulled:
@@ -565,7 +620,7 @@ def check_pull_slower(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     return Diagnosis(
         names.DIAG_PULL_SLOWER_THAN_RECOMPUTE,
-        TITLES[names.DIAG_PULL_SLOWER_THAN_RECOMPUTE],
+        title(names.DIAG_PULL_SLOWER_THAN_RECOMPUTE),
         f"Pulling {leg.pulled} tokens took {pull:.3f}s; recomputing them would have taken about "
         f"{estimate:.3f}s.",
         evidence,
@@ -576,53 +631,15 @@ def check_pull_slower(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
-def check_late_read(turn: Turn, ctx: Context) -> Diagnosis | None:
-    """The decode node still held the previous turn's KV when this turn arrived, but the
-    prefill node tried the read so late that vLLM declined it as expired."""
-    late = late_read(turn)
-    if late is None:
-        return None
-    leg, t = late.leg, late.leg.transfer
-    failed = leg.outcome == names.OUTCOME_FAILED_KV_LOAD
-    tokens = lost_tokens(turn)
-    evidence = {
-        "gap_s": _r(turn.gap_s),
-        "wait_before_read_s": _r(late.wait_s),
-        "decoder_kv_blocks_ttl_s": _r(late.ttl),
-        "read_margin_s": READ_EXPIRY_MARGIN_S,
-        "outcome": leg.outcome,
-        "transfer_outcome": t.outcome if t else None,
-        "engine_id": leg.engine_id,
-        "tokens_recomputed": None if failed else tokens,
-    }
-    then = "the request failed" if failed else f"prefill recomputed {tokens} tokens"
-    return Diagnosis(
-        names.DIAG_KV_READ_STARTED_LATE,
-        TITLES[names.DIAG_KV_READ_STARTED_LATE],
-        f"The turn arrived {turn.gap_s:.1f}s after the previous one, well inside "
-        f"decoder_kv_blocks_ttl={late.ttl:g}s, but the prefill node only tried the read "
-        f"{late.wait_s:.1f}s later, within {READ_EXPIRY_MARGIN_S:g}s of the deadline; vLLM declined "
-        f"it and {then}.",
-        evidence,
-        "The KV was there when the turn arrived; the time went inside the prefill node before the "
-        "read started (its scheduler busy, or its KV thread starved of CPU). Check the prefill "
-        "node's CPU headroom and queue (vllm:num_requests_waiting, vllm:nixl_post_time_seconds); on "
-        "a CPU host with several engines, give each engine's NIXL thread a core of its own (vLLM "
-        "pins it to the last core of the NUMA node, the same one for every engine). A longer TTL "
-        "only buys margin.",
-        late.wait_s,
-    )
-
-
+@register(names.DIAG_SLOW_KV_HANDOFF, "Decode waited long for the prefill node's KV")
 def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
     """The forward hand-off (decode reading the prefill node's KV) took seconds.
 
     A P->D read of a few blocks takes milliseconds on any link; seconds mean the read
     waited for something: the prefill node's NIXL agent (with a two-sided transport an
     idle engine progresses a read only at its next step or lease reaping) or a process
-    starved of CPU. Seen on the reference fleet while vLLM pinned both engines' NIXL
-    threads to one of its 2 cores: posting the read blocked 30 s, until the prefill lease
-    was reaped.
+    starved of CPU (two engines' NIXL threads pinned to one core: posting the read then
+    blocks until the prefill lease is reaped).
     """
     d = turn.decode
     if d is None or d.transfer is None:
@@ -647,7 +664,7 @@ def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
     post_text = f"; posting the read alone took {t.post_s:.2f}s" if posted and t.post_s is not None else ""
     return Diagnosis(
         names.DIAG_SLOW_KV_HANDOFF,
-        TITLES[names.DIAG_SLOW_KV_HANDOFF],
+        title(names.DIAG_SLOW_KV_HANDOFF),
         f"The decode node waited {wait:.2f}s for {size} from the prefill node "
         f"({t.direction} over {t.backend or 'NIXL'}){post_text}.",
         evidence,
@@ -663,6 +680,7 @@ def check_slow_handoff(turn: Turn, ctx: Context) -> Diagnosis | None:
 # ------------------------------------------------------------------ where the time went
 
 
+@register(names.DIAG_QUEUEING, "Queueing before the engines")
 def check_queueing(turn: Turn, ctx: Context) -> Diagnosis | None:
     phases = turn.phases
     if phases is None or (turn.prefill is None and turn.decode is None):
@@ -684,7 +702,7 @@ def check_queueing(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     return Diagnosis(
         names.DIAG_QUEUEING,
-        TITLES[names.DIAG_QUEUEING],
+        title(names.DIAG_QUEUEING),
         f"Input processing took {inp:.2f}s but the engines account for {explained:.2f}s; "
         f"{unexplained:.2f}s went to queueing before them.",
         evidence,
@@ -705,6 +723,7 @@ def _dominates(turn: Turn, phase: str) -> tuple[float, float] | None:
     return value, total
 
 
+@register(names.DIAG_TOOL_WAIT_DOMINATES, "Tool wait dominates the turn")
 def check_tool_wait(turn: Turn, ctx: Context) -> Diagnosis | None:
     found = _dominates(turn, names.PHASE_TOOL_WAIT)
     if found is None or turn.phases is None:
@@ -720,7 +739,7 @@ def check_tool_wait(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     return Diagnosis(
         names.DIAG_TOOL_WAIT_DOMINATES,
-        TITLES[names.DIAG_TOOL_WAIT_DOMINATES],
+        title(names.DIAG_TOOL_WAIT_DOMINATES),
         f"The agent waited {value:.1f}s for tools, {value / total:.0%} of the {total:.1f}s turn.",
         evidence,
         "Not the fleet: speed up, cache or parallelize the agent's tools. If tool waits exceed "
@@ -729,6 +748,7 @@ def check_tool_wait(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+@register(names.DIAG_APP_WORK_DOMINATES, "Agent's own work dominates the turn")
 def check_app_work(turn: Turn, ctx: Context) -> Diagnosis | None:
     found = _dominates(turn, names.PHASE_APP_WORK)
     if found is None or turn.phases is None:
@@ -742,7 +762,7 @@ def check_app_work(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     return Diagnosis(
         names.DIAG_APP_WORK_DOMINATES,
-        TITLES[names.DIAG_APP_WORK_DOMINATES],
+        title(names.DIAG_APP_WORK_DOMINATES),
         f"The agent spent {value:.1f}s on its own work between turns, {value / total:.0%} of the "
         f"{total:.1f}s turn.",
         evidence,
@@ -752,39 +772,13 @@ def check_app_work(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
-Check = Callable[[Turn, Context], "Diagnosis | None"]
-
-CHECKS: tuple[Check, ...] = (
-    check_expired_read_failed,
-    check_stuck,
-    check_transfer_failed,
-    check_ttl_lapsed,
-    check_router_dropped,
-    check_decode_no_handle,
-    check_bidirectional_off,
-    check_no_conversation_id,
-    check_below_threshold,
-    check_pull_slower,
-    check_late_read,
-    check_slow_handoff,
-    check_queueing,
-    check_tool_wait,
-    check_app_work,
-)
-_ORDER = {diag_id: i for i, diag_id in enumerate(TITLES)}
-FAILURES = frozenset(
-    (names.DIAG_EXPIRED_READ_FAILED, names.DIAG_STUCK_WAITING_FOR_REMOTE_KV, names.DIAG_TRANSFER_FAILED)
-)
-"""Diagnoses of a request that failed or hung: they rank above any slowness, whatever the cost,
-because a turn that failed is not explained by the tool wait before it."""
-
-
 def diagnose(turn: Turn, ctx: Context | None = None) -> list[Diagnosis]:
     """Every diagnosis that applies to the turn: failures first, then costliest first.
 
-    Ties keep catalogue order (:data:`TITLES`).
+    Ties keep catalogue order (:data:`REGISTRY`).
     """
     ctx = ctx or Context()
-    found = [d for d in (check(turn, ctx) for check in CHECKS) if d is not None]
-    found.sort(key=lambda d: (d.id not in FAILURES, -d.cost_s, _ORDER.get(d.id, len(_ORDER))))
+    order = {diag_id: i for i, diag_id in enumerate(REGISTRY)}
+    found = [d for d in (entry.check(turn, ctx) for entry in REGISTRY.values()) if d is not None]
+    found.sort(key=lambda d: (not REGISTRY[d.id].failure, -d.cost_s, order[d.id]))
     return found

@@ -24,9 +24,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otelkv import names
-from otelkv.analysis.attrs import attr_float, attr_int, attr_str, opt_bool, opt_float, opt_int, opt_str
 from otelkv.analysis.phases import GapSplit, Phases, split_gap, turn_phases
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import (
+    SpanRecord,
+    attr_float,
+    attr_int,
+    attr_str,
+    is_agent_turn_span,
+    is_engine_request,
+    is_retention,
+    is_router_span,
+    is_sidecar_turn_span,
+    is_tool_span,
+    is_transfer,
+    opt_bool,
+    opt_float,
+    opt_int,
+    opt_str,
+)
 
 SOURCE_SIDECAR = "sidecar"
 """The turn came from the sidecar's turn span (the authoritative source)."""
@@ -46,15 +61,6 @@ class EngineConfig:
     bidirectional: bool | None = None
     load_failure_policy: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "engine_id": self.engine_id,
-            "kv_recompute_threshold": self.recompute_threshold,
-            "decoder_kv_blocks_ttl": self.decoder_ttl_s,
-            "bidirectional_kv_xfer": self.bidirectional,
-            "kv_load_failure_policy": self.load_failure_policy,
-        }
-
 
 @dataclass
 class Transfer:
@@ -71,18 +77,6 @@ class Transfer:
     start_ns: int
     end_ns: int
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "direction": self.direction,
-            "outcome": self.outcome,
-            "bytes": self.bytes,
-            "xfer_s": self.xfer_s,
-            "wait_s": self.wait_s,
-            "post_s": self.post_s,
-            "tokens": self.tokens,
-            "backend": self.backend,
-        }
-
 
 @dataclass
 class Retention:
@@ -94,16 +88,6 @@ class Retention:
     blocks: int
     bytes: int
     ttl_s: float | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "outcome": self.outcome,
-            "held_s": self.held_s,
-            "blocks": self.blocks,
-            "bytes": self.bytes,
-            "ttl_s": self.ttl_s,
-        }
 
 
 @dataclass
@@ -122,7 +106,7 @@ class Leg:
     prompt_tokens: int = 0
     output_tokens: int | None = None
     computed: int | None = None
-    local_hit: int | None = None
+    local_cache: int | None = None
     pulled: int | None = None
     remote_reusable: int | None = None
     decision: str | None = None
@@ -144,34 +128,6 @@ class Leg:
         wait = self.transfer.wait_s if self.transfer and self.transfer.wait_s else 0.0
         return max(self.duration_s - wait, 0.0)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "role": self.role,
-            "request_id": self.request_id,
-            "engine_id": self.engine_id,
-            "duration_s": self.duration_s,
-            "outcome": self.outcome,
-            "status": self.status,
-            "status_message": self.status_message,
-            "vllm_status": self.vllm_status,
-            "tokens": {
-                "prompt": self.prompt_tokens,
-                "computed": self.computed,
-                "local_cache": self.local_hit,
-                "pulled": self.pulled,
-                "remote_reusable": self.remote_reusable,
-                "output": self.output_tokens,
-            },
-            "decision": self.decision,
-            "reason": self.reason,
-            "threshold": self.threshold,
-            "remote_kv_wait_s": self.remote_kv_wait_s,
-            "kv_params_returned": self.kv_params_returned,
-            "transfer": self.transfer.as_dict() if self.transfer else None,
-            "retention": self.retention.as_dict() if self.retention else None,
-            "config": self.config.as_dict(),
-        }
-
 
 @dataclass
 class RouterInfo:
@@ -184,17 +140,6 @@ class RouterInfo:
     http_status: int | None = None
     status: str = "Unset"
     status_message: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "handle": self.handle,
-            "handle_age_s": self.handle_age_s,
-            "handle_ttl_s": self.handle_ttl_s,
-            "decode_streamed": self.decode_streamed,
-            "http_status": self.http_status,
-            "status": self.status,
-            "status_message": self.status_message,
-        }
 
 
 @dataclass
@@ -213,7 +158,7 @@ class Turn:
     end_ns: int = 0
     stream: bool | None = None
     ttft_s: float | None = None
-    status: str = "ok"
+    status: str = names.TURN_STATUS_OK
     status_message: str = ""
     http_status: int | None = None
     input_tokens: int | None = None
@@ -264,85 +209,6 @@ class Turn:
             return prev.decode.retention.ttl_s
         return None
 
-    def phase_dict(self) -> dict[str, float] | None:
-        return self.phases.as_dict() if self.phases else None
-
-    def as_dict(self) -> dict[str, Any]:
-        """Everything known about the turn, JSON-able (the ``turn`` of ``why``)."""
-        return {
-            "trace_id": self.trace_id,
-            "span_id": self.span_id,
-            "source": self.source,
-            "conversation_id": self.conversation_id,
-            "conversation_inferred": self.conversation_inferred,
-            "conversation_id_source": self.conversation_id_source,
-            "turn_index": self.index,
-            "model": self.model,
-            "start_ns": self.start_ns,
-            "end_ns": self.end_ns,
-            "stream": self.stream,
-            "status": self.status,
-            "status_message": self.status_message,
-            "http_status": self.http_status,
-            "total_s": self.total_s,
-            "request_s": self.request_s,
-            "gap_s": self.gap_s,
-            "phases": self.phase_dict(),
-            "gap_source": self.phases.gap_source if self.phases else None,
-            "ttft_s": self.ttft_s,
-            "ttft_source": self.phases.ttft_source if self.phases else None,
-            "usage": {
-                "input_tokens": self.input_tokens,
-                "output_tokens": self.output_tokens,
-                "cache_read_input_tokens": self.cache_read_tokens,
-            },
-            "finish_reasons": self.finish_reasons,
-            "response_kv_params": self.response_kv_params,
-            "asked_tools": self.asked_tools,
-            "tool_results": self.tool_results,
-            "previous_trace_id": self.previous_trace_id,
-            "router": self.router.as_dict() if self.router else None,
-            "prefill": self.prefill.as_dict() if self.prefill else None,
-            "decode": self.decode.as_dict() if self.decode else None,
-        }
-
-
-# ------------------------------------------------------------------ span classification
-
-
-def is_sidecar_turn_span(span: SpanRecord) -> bool:
-    """The sidecar's ``chat`` span: the span that defines a turn."""
-    return span.scope_name == names.SCOPE_SIDECAR and attr_str(
-        span.attributes, names.GEN_AI_OPERATION_NAME
-    ) in (
-        "chat",
-        "text_completion",
-    )
-
-
-def is_agent_turn_span(span: SpanRecord) -> bool:
-    """Another scope's ``chat`` span with a turn index (e.g. the reference agent driver)."""
-    a = span.attributes
-    return (
-        span.scope_name != names.SCOPE_SIDECAR
-        and attr_str(a, names.GEN_AI_OPERATION_NAME) == "chat"
-        and opt_int(a, names.TURN_INDEX) is not None
-    )
-
-
-def is_tool_span(span: SpanRecord) -> bool:
-    return attr_str(span.attributes, names.GEN_AI_OPERATION_NAME) == "execute_tool"
-
-
-def _is_router_span(span: SpanRecord) -> bool:
-    return names.ROUTER_HANDLE in span.attributes or (
-        span.name.startswith("router ") and not span.name.startswith("router_leg")
-    )
-
-
-def _is_engine_request(span: SpanRecord) -> bool:
-    return span.name.startswith("kv_request") and names.ROLE in span.attributes
-
 
 # ------------------------------------------------------------------ building
 
@@ -373,7 +239,7 @@ def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
         prompt_tokens=attr_int(a, names.GEN_AI_USAGE_INPUT_TOKENS),
         output_tokens=opt_int(a, names.GEN_AI_USAGE_OUTPUT_TOKENS),
         computed=opt_int(a, names.TOKENS_COMPUTED),
-        local_hit=opt_int(a, names.TOKENS_LOCAL_CACHE_HIT),
+        local_cache=opt_int(a, names.TOKENS_LOCAL_CACHE_HIT),
         pulled=opt_int(a, names.TOKENS_PULLED),
         remote_reusable=opt_int(a, names.TOKENS_REMOTE_REUSABLE),
         decision=opt_str(a, names.PULL_DECISION),
@@ -387,7 +253,7 @@ def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
         leg.threshold = config.recompute_threshold
     for child in sorted(children, key=lambda s: s.start_ns):
         c = child.attributes
-        if names.TRANSFER_DIRECTION in c or child.name.startswith("kv_transfer"):
+        if is_transfer(child):
             leg.transfer = Transfer(
                 direction=attr_str(c, names.TRANSFER_DIRECTION),
                 outcome=opt_str(c, names.TRANSFER_OUTCOME),
@@ -400,7 +266,7 @@ def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
                 start_ns=child.start_ns,
                 end_ns=child.end_ns,
             )
-        elif names.RETENTION_KIND in c or child.name.startswith("kv_retention"):
+        elif is_retention(child):
             leg.retention = Retention(
                 kind=attr_str(c, names.RETENTION_KIND),
                 outcome=opt_str(c, names.RETENTION_OUTCOME),
@@ -460,13 +326,13 @@ def build_turn(
     decodes: list[Leg] = []
     router: RouterInfo | None = None
     for span in spans:
-        if _is_engine_request(span):
+        if is_engine_request(span):
             leg = _leg(span, children.get(span.span_id, []))
             if leg.role == names.ROLE_DECODE:
                 decodes.append(leg)
             else:
                 prefills.append(leg)
-        elif _is_router_span(span) and router is None:
+        elif is_router_span(span) and router is None:
             a = span.attributes
             router = RouterInfo(
                 handle=opt_str(a, names.ROUTER_HANDLE),
@@ -510,7 +376,7 @@ def _fill_from_turn_span(turn: Turn, span: SpanRecord) -> None:
     turn.ttft_s = opt_float(a, names.TURN_TTFT_SECONDS)
     turn.http_status = opt_int(a, names.HTTP_STATUS)
     failed = span.status_code == "Error" or (turn.http_status is not None and turn.http_status >= 400)
-    turn.status = "error" if failed else "ok"
+    turn.status = names.TURN_STATUS_ERROR if failed else names.TURN_STATUS_OK
     turn.status_message = span.status_message
     turn.input_tokens = opt_int(a, names.GEN_AI_USAGE_INPUT_TOKENS)
     turn.output_tokens = opt_int(a, names.GEN_AI_USAGE_OUTPUT_TOKENS)
@@ -525,7 +391,7 @@ def _fill_from_turn_span(turn: Turn, span: SpanRecord) -> None:
 
 def _fill_from_engines(turn: Turn, spans: Sequence[SpanRecord]) -> None:
     legs = [leg for leg in (turn.prefill, turn.decode) if leg is not None]
-    engine_spans = [s for s in spans if _is_engine_request(s) or _is_router_span(s)]
+    engine_spans = [s for s in spans if is_engine_request(s) or is_router_span(s)]
     turn.start_ns = min(s.start_ns for s in engine_spans)
     turn.end_ns = max(s.end_ns for s in engine_spans)
     turn.span_id = min(engine_spans, key=lambda s: s.start_ns).span_id
@@ -535,7 +401,7 @@ def _fill_from_engines(turn: Turn, spans: Sequence[SpanRecord]) -> None:
             turn.conversation_id = cid
             break
     failed = any(leg.status == "Error" for leg in legs) or any(s.status_code == "Error" for s in engine_spans)
-    turn.status = "error" if failed else "ok"
+    turn.status = names.TURN_STATUS_ERROR if failed else names.TURN_STATUS_OK
     if turn.prefill:
         turn.input_tokens = turn.prefill.prompt_tokens
     if turn.decode:
@@ -583,57 +449,6 @@ def _phases(turn: Turn, turn_span: SpanRecord | None, tools: list[SpanRecord]) -
     return phases
 
 
-# ------------------------------------------------------------------ grouping helpers
-
-
-def group_by_trace(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
-    out: dict[str, list[SpanRecord]] = defaultdict(list)
-    for span in spans:
-        out[span.trace_id].append(span)
-    return out
-
-
-def build_turns(
-    spans: Iterable[SpanRecord], *, tool_spans: Iterable[SpanRecord] = (), link: bool = True
-) -> list[Turn]:
-    """Every turn in a span list, by conversation and index, each linked to its predecessor.
-
-    The predecessor is the turn whose trace id this turn names (sidecar), else the turn
-    of the same conversation with index one lower.
-    """
-    tools = list(tool_spans)
-    by_trace = group_by_trace(spans)
-    plain = {tid: build_turn(group) for tid, group in by_trace.items()}
-    built = {tid: t for tid, t in plain.items() if t is not None}
-    if not link:
-        return sorted(built.values(), key=_order)
-    by_index = {(t.conversation_id, t.index): t for t in built.values() if t.index is not None}
-    out: dict[str, Turn] = {}
-
-    def resolve(tid: str, depth: int = 0) -> Turn:
-        if tid in out:
-            return out[tid]
-        base = built[tid]
-        prev_id = base.previous_trace_id
-        if not prev_id and base.index:
-            candidate = by_index.get((base.conversation_id, base.index - 1))
-            prev_id = candidate.trace_id if candidate else ""
-        previous = (
-            resolve(prev_id, depth + 1) if prev_id in built and prev_id != tid and depth < 500 else None
-        )
-        turn = build_turn(by_trace[tid], tool_spans=tools, previous=previous) or base
-        out[tid] = turn
-        return turn
-
-    for tid in sorted(built, key=lambda t: _order(built[t])):
-        resolve(tid)
-    return sorted(out.values(), key=_order)
-
-
-def _order(turn: Turn) -> tuple[str, int, int]:
-    return (turn.conversation_id, turn.index if turn.index is not None else -1, turn.start_ns)
-
-
 def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = 16) -> float | None:
     """Seconds per computed prompt token on the prefill node: the fastest of the given turns.
 
@@ -659,5 +474,5 @@ def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = 16) -> float
     if not rates:
         return None
     # Queueing inside the engine only ever adds to a span, so the fastest observed rate is
-    # the closest to pure compute (a median of two turns, one queued, was off by 10x here).
+    # the closest to pure compute (one queued turn would pull a median far up).
     return min(rates)

@@ -66,7 +66,7 @@ def load(where: str, label: str) -> Any:
 def run_compare(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     from otelkv.analysis.compare.aggregate import CompareOptions, compare_runs
-    from otelkv.analysis.compare.text import show_compare
+    from otelkv.cli.compare_report.text import show_compare
 
     if not args.regression >= 1.0 or args.min_delta < 0:
         print("otelkv compare: --regression must be at least 1 and --min-delta not negative", file=sys.stderr)
@@ -86,7 +86,7 @@ def run_compare(args: argparse.Namespace, out: TextIO | None = None) -> int:
     else:
         show_compare(data, out)
     if args.html:
-        from otelkv.analysis.compare.html import page
+        from otelkv.cli.compare_report.html import page
 
         path = Path(args.html).expanduser()
         try:

@@ -63,7 +63,7 @@ def demo_conversations(long_pause_s: float) -> list[Any]:
 
 def run_demo(args: argparse.Namespace) -> int:
     from otelkv.analysis import report
-    from otelkv.analysis.report import StoreSource
+    from otelkv.analysis.sources import StoreSource
     from otelkv.cli.query_cmds import show_conversation, show_slow
     from otelkv.fleet import metrics as prom
     from otelkv.fleet.fleet import WARMUP_CONVERSATION, Fleet, FleetConfig

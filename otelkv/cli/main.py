@@ -37,12 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     from otelkv.cli.sidecar_cmd import add_sidecar_command
 
     add_sidecar_command(sub)
-    try:
-        from otelkv.cli.query_cmds import add_query_commands
-    except ImportError:  # pragma: no cover - only while the query commands are being built
-        pass
-    else:
-        add_query_commands(sub)
+    from otelkv.cli.query_cmds import add_query_commands
+
+    add_query_commands(sub)
     from otelkv.cli.tune_cmd import add_tune_command
 
     add_tune_command(sub)

@@ -1,7 +1,8 @@
 """``otelkv slow``, ``otelkv conversation`` and ``otelkv why``: argparse wiring and terminal output.
 
 The answers come from :mod:`otelkv.cli.source` (sidecar API, store directory or
-ClickHouse) as the dicts of :mod:`otelkv.analysis.report`; this module only renders them.
+ClickHouse) as the documents of :mod:`otelkv.analysis.report` (turns as the turn object of
+:mod:`otelkv.analysis.turn_json`); this module only renders them.
 Errors the user can act on print one line and exit 2.
 """
 
@@ -130,7 +131,13 @@ def _when(start_ns: int | None) -> str:
 
 def _phase(row: dict[str, Any], name: str) -> float | None:
     phases = row.get("phases") or {}
-    return phases.get(name)
+    return phases.get(f"{name}_s")
+
+
+def _phase_seconds(row: dict[str, Any]) -> dict[str, float] | None:
+    """The turn's phases keyed by phase name (what the bar draws)."""
+    phases = row.get("phases")
+    return {k.removesuffix("_s"): v for k, v in phases.items()} if phases else None
 
 
 def _turn_ref(row: dict[str, Any]) -> str:
@@ -146,7 +153,7 @@ def show_slow(data: dict[str, Any], out: TextIO) -> None:
         return
     table_rows = []
     for row in rows:
-        top = row.get("top_diagnosis") or {}
+        top = (row.get("diagnoses") or [{}])[0]
         table_rows.append(
             [
                 _when(row.get("start_ns")),
@@ -180,7 +187,7 @@ def show_slow(data: dict[str, Any], out: TextIO) -> None:
 
 
 def _tokens(row: dict[str, Any]) -> str:
-    t = row.get("tokens") or {}
+    t = (row.get("prefill") or {}).get("tokens") or {}
     parts = [f"{t.get(k)}{label}" for k, label in (("computed", "c"), ("local_cache", "l"), ("pulled", "p"))]
     if all(t.get(k) is None for k in ("computed", "local_cache", "pulled")):
         return "-"
@@ -188,19 +195,20 @@ def _tokens(row: dict[str, Any]) -> str:
 
 
 def _pull(row: dict[str, Any]) -> str:
-    p = row.get("pull") or {}
+    p = row.get("prefill") or {}
     if not p.get("decision") and not p.get("reason"):
         return "-"
     text = f"{p.get('decision') or '?'}:{p.get('reason') or '?'}"
-    if p.get("bytes"):
-        text += f" {render.human_bytes(p['bytes'])}"
-    if p.get("wait_s") is not None:
-        text += f" {render.seconds(p['wait_s'])}"
+    t = p.get("transfer") or {}
+    if t.get("bytes"):
+        text += f" {render.human_bytes(t['bytes'])}"
+    if t.get("wait_s") is not None:
+        text += f" {render.seconds(t['wait_s'])}"
     return text
 
 
 def _retention(row: dict[str, Any]) -> str:
-    r = row.get("retention") or {}
+    r = (row.get("decode") or {}).get("retention") or {}
     if not r.get("outcome"):
         return "-"
     held = render.seconds(r.get("held_s"))
@@ -221,11 +229,11 @@ def show_conversation(data: dict[str, Any], out: TextIO) -> None:
             [
                 row.get("turn_index") if row.get("turn_index") is not None else "-",
                 render.seconds(row.get("total_s")),
-                "|" + render.phase_bar(row.get("phases"), scale) + "|",
+                "|" + render.phase_bar(_phase_seconds(row), scale) + "|",
                 _tokens(row),
                 _pull(row),
                 _retention(row),
-                ",".join(row.get("diagnoses") or []) or "-",
+                ",".join(d["id"] for d in row.get("diagnoses") or []) or "-",
             ]
         )
     headers = ["#", "TOTAL", "PHASES", "TOKENS c/l/p", "PULL", "RETENTION held/ttl", "DIAGNOSES"]
@@ -236,10 +244,10 @@ def show_conversation(data: dict[str, Any], out: TextIO) -> None:
 
 def show_why(data: dict[str, Any], out: TextIO) -> None:
     turn = data.get("turn") or {}
-    ref = _turn_ref(data)
-    out.write(f"turn {ref}  trace {data.get('trace_id')}  total {render.seconds(data.get('total_s'))}")
+    ref = _turn_ref(turn)
+    out.write(f"turn {ref}  trace {turn.get('trace_id')}  total {render.seconds(turn.get('total_s'))}")
     out.write(f"  status {turn.get('status', '-')}\n")
-    phases = data.get("phases") or {}
+    phases = _phase_seconds(turn) or {}
     if phases:
         out.write(
             "  "
@@ -247,7 +255,7 @@ def show_why(data: dict[str, Any], out: TextIO) -> None:
             + f"  (gap split: {turn.get('gap_source') or '-'},"
             + f" first token: {turn.get('ttft_source') or '-'})\n"
         )
-    diagnoses = data.get("diagnoses") or []
+    diagnoses = turn.get("diagnoses") or []
     if not diagnoses:
         out.write("\nno diagnosis applies: nothing in this turn's spans points at a known problem\n")
         return

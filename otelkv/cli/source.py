@@ -208,7 +208,7 @@ def _is_lock_error(exc: BaseException) -> bool:
 
 def open_local(*, path: str | None = None, clickhouse_url: str | None = None) -> LocalQuerier:
     """Open the store directory (or a ClickHouse URL) in this process."""
-    from otelkv.analysis.report import StoreSource
+    from otelkv.analysis.sources import StoreSource
 
     where = clickhouse_url or str(path)
     if path is not None and clickhouse_url is None and not Path(path).expanduser().exists():

@@ -16,34 +16,35 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
+from otelkv import names
+
 RATE_WINDOW = "$__rate_interval"
 """Grafana's rate window: at least four scrape intervals, so a rate always has two samples."""
 RANGE_WINDOW = "$__range"
 """The dashboard's whole time range (for "over the range" totals in stats and bar gauges)."""
 
-# Label names attached by the exporters.
+# Label names: vLLM's and Prometheus' own, then otelkv's (from the metric table in names).
 MODEL_NAME = "model_name"
 """vLLM's label for the served model on every engine series (otelkv's included)."""
 INSTANCE = "instance"
 """The scrape target Prometheus attaches: one per engine (``host:port``)."""
-MODEL = "model"
-"""The sidecar's label for the requested model (capped to 32 values, then ``other``)."""
-PHASE = "phase"
-TURN_INDEX = "turn_index"
-SOURCE = "source"
-DECISION = "decision"
-REASON = "reason"
-DIRECTION = "direction"
-BACKEND = "backend"
-OUTCOME = "outcome"
-KIND = "kind"
-ROLE = "role"
-STATUS = "status"
 LE = "le"
+MODEL = names.LABEL_MODEL
+PHASE = names.LABEL_PHASE
+TURN_INDEX = names.LABEL_TURN_INDEX
+SOURCE = names.LABEL_SOURCE
+DECISION = names.LABEL_DECISION
+REASON = names.LABEL_REASON
+DIRECTION = names.LABEL_DIRECTION
+BACKEND = names.LABEL_BACKEND
+OUTCOME = names.LABEL_OUTCOME
+KIND = names.LABEL_KIND
+ROLE = names.LABEL_ROLE
+STATUS = names.LABEL_STATUS
 
-TURN_STATUS_OK = "ok"
+TURN_STATUS_OK = names.TURN_STATUS_OK
 """``status`` value of ``otelkv_turns_total`` for a turn answered without an error."""
-TURN_STATUS_ERROR = "error"
+TURN_STATUS_ERROR = names.TURN_STATUS_ERROR
 
 MODEL_VAR = "model"
 ENGINE_VAR = "engine"
@@ -74,10 +75,6 @@ def hist_count(metric: str) -> str:
 def eq(label: str, value: str) -> str:
     """``label="value"`` with the value quoted as a PromQL string."""
     return f"{label}={json.dumps(value)}"
-
-
-def ne(label: str, value: str) -> str:
-    return f"{label}!={json.dumps(value)}"
 
 
 def one_of(label: str, values: Iterable[str]) -> str:

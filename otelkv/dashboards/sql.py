@@ -4,7 +4,8 @@ The panels query ``otel.otel_traces`` exactly as the OpenTelemetry Collector's C
 exporter creates it (:mod:`otelkv.store.schema`), so they run unchanged on a fleet's
 ClickHouse and on the sidecar's embedded chDB store. Attribute keys, span names and
 vocabulary values come from :mod:`otelkv.names` and are written into the SQL as quoted
-literals (Grafana sends raw SQL; there are no bound parameters). Dashboard variables go
+literals (Grafana sends raw SQL; there are no bound parameters); which spans are turns,
+requests, transfers and retentions comes from :mod:`otelkv.spans.sql`. Dashboard variables go
 through the ClickHouse plugin's own mechanisms: ``${var:singlequote}`` for values and
 ``$__conditionalAll(...)`` for "All", as the plugin's documentation recommends.
 
@@ -22,10 +23,10 @@ from grafana_foundation_sdk.cog import builder as cogbuilder
 from grafana_foundation_sdk.cog import runtime as cogruntime
 from grafana_foundation_sdk.cog import variants as cogvariants
 
-from otelkv import names
 from otelkv.dashboards.sources import CLICKHOUSE, TRACES_DATABASE
+from otelkv.spans import sql as span_sql
+from otelkv.spans.sql import attr, lit
 from otelkv.store import schema
-from otelkv.store.queries import TURN_NAME_LIKE
 
 FORMAT_TABLE = 1
 """The plugin's (sqlutil's) numeric format for a table result: 0 time series, 1 table."""
@@ -71,16 +72,6 @@ class ClickHouseTarget(cogbuilder.Builder[ClickHouseQuery]):
         return ClickHouseQuery(dict(self._data))
 
 
-def lit(value: str) -> str:
-    """A ClickHouse string literal (backslash and quote escaped)."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def attr(key: str) -> str:
-    """A span attribute (every value is a string in the exporter's ``Map(String, String)``)."""
-    return f"SpanAttributes[{lit(key)}]"
-
-
 def resource(key: str) -> str:
     return f"ResourceAttributes[{lit(key)}]"
 
@@ -99,17 +90,12 @@ def integer(key: str) -> str:
     return f"toInt64OrZero({attr(key)})"
 
 
-def like(pattern_template: str, **fields: str) -> str:
-    """A ``SpanName LIKE`` pattern from a ``names.SPAN_*`` template: ``kv_transfer %``."""
-    return lit(pattern_template.format(**fields))
-
-
-TURN_SPANS = f"ScopeName = {lit(names.SCOPE_SIDECAR)} AND SpanName LIKE {lit(TURN_NAME_LIKE)}"
+TURN_SPANS = span_sql.SIDECAR_TURN_SPANS
 """The sidecar's turn spans (an agent's own ``chat`` client spans have another scope)."""
-PREFILL_SPANS = f"SpanName = {lit(names.engine_request_span_name(names.ROLE_PREFILL))}"
-ENGINE_REQUEST_SPANS = f"SpanName LIKE {like(names.SPAN_ENGINE_REQUEST, role='%')}"
-TRANSFER_SPANS = f"SpanName LIKE {like(names.SPAN_TRANSFER, direction='%')}"
-RETENTION_SPANS = f"SpanName LIKE {like(names.SPAN_RETENTION, kind='%')}"
+PREFILL_SPANS = span_sql.PREFILL_SPANS
+ENGINE_REQUEST_SPANS = span_sql.ENGINE_REQUEST_SPANS
+TRANSFER_SPANS = span_sql.TRANSFER_SPANS
+RETENTION_SPANS = span_sql.RETENTION_SPANS
 
 
 def var_in(expr: str, variable: str) -> str:

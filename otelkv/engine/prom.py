@@ -19,64 +19,8 @@ from otelkv.engine.messages import split_series_key
 
 logger = logging.getLogger("vllm.otelkv")
 
-# metric -> (kind, documentation, extra label names)
-METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    names.METRIC_PULL_DECISIONS: (
-        "counter",
-        "Prefill-node pull-or-recompute decisions for the decode node's KV, by final reason.",
-        ("decision", "reason"),
-    ),
-    names.METRIC_PREFILL_TOKENS: (
-        "counter",
-        "Prompt tokens by where their KV came from (computed, local prefix cache, pulled).",
-        ("role", "source"),
-    ),
-    names.METRIC_TRANSFERS: (
-        "counter",
-        "KV reads by this engine, by direction, NIXL backend and outcome.",
-        ("direction", "backend", "outcome"),
-    ),
-    names.METRIC_TRANSFER_BYTES: (
-        "counter",
-        "Bytes of KV read over NIXL by this engine, by direction and backend.",
-        ("direction", "backend"),
-    ),
-    names.METRIC_TRANSFER_SECONDS: (
-        "histogram",
-        "NIXL-measured duration of successful KV reads, per request.",
-        ("direction", "backend"),
-    ),
-    names.METRIC_RETENTIONS: (
-        "counter",
-        "Ended retentions of KV blocks kept for another engine, by kind and outcome.",
-        ("kind", "outcome"),
-    ),
-    names.METRIC_RETENTION_BLOCK_SECONDS: (
-        "counter",
-        "Blocks x seconds held by ended retentions (the memory cost of keeping KV).",
-        ("kind",),
-    ),
-    names.METRIC_RETAINED_BLOCKS: (
-        "gauge",
-        "KV blocks held right now for another engine to read.",
-        ("kind",),
-    ),
-    names.METRIC_RETAINED_BYTES: (
-        "gauge",
-        "Bytes of KV held right now for another engine to read (all TP ranks).",
-        ("kind",),
-    ),
-    names.METRIC_REQUESTS: (
-        "counter",
-        "Requests that ended on this engine, by P/D role and outcome.",
-        ("role", "outcome"),
-    ),
-    names.METRIC_INSTRUMENTATION_ERRORS: (
-        "counter",
-        "Exceptions caught inside otelkv (serving was not affected), by site.",
-        ("site",),
-    ),
-}
+METRICS: dict[str, names.Metric] = {m.name: m for m in names.ENGINE_METRICS}
+"""The metrics this module creates, from :data:`otelkv.names.ENGINE_METRICS`."""
 
 
 class OtelKVPromMetrics(KVConnectorPromMetrics):
@@ -95,22 +39,19 @@ class OtelKVPromMetrics(KVConnectorPromMetrics):
         self._metrics: dict[str, Any] = {}
         self._children: dict[tuple[str, int, tuple[str, ...]], Any] = {}
         self._warned = False
-        for name, (kind, doc, extra) in METRICS.items():
-            labels = [*labelnames, *extra]
-            if kind == "counter":
-                metric = self._counter_cls(name=name, documentation=doc, labelnames=labels)
-            elif kind == "gauge":
+        for spec in METRICS.values():
+            labels = [*labelnames, *spec.labels]
+            if spec.kind == names.COUNTER:
+                metric = self._counter_cls(name=spec.name, documentation=spec.help, labelnames=labels)
+            elif spec.kind == names.GAUGE:
                 metric = self._gauge_cls(
-                    name=name, documentation=doc, labelnames=labels, multiprocess_mode="mostrecent"
+                    name=spec.name, documentation=spec.help, labelnames=labels, multiprocess_mode="mostrecent"
                 )
             else:
                 metric = self._histogram_cls(
-                    name=name,
-                    documentation=doc,
-                    labelnames=labels,
-                    buckets=list(names.TRANSFER_SECONDS_BUCKETS),
+                    name=spec.name, documentation=spec.help, labelnames=labels, buckets=list(spec.buckets)
                 )
-            self._metrics[name] = metric
+            self._metrics[spec.name] = metric
 
     def _child(self, name: str, engine_idx: int, labels: tuple[str, ...]) -> Any:
         key = (name, engine_idx, labels)

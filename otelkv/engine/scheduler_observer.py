@@ -29,7 +29,7 @@ from otelkv.engine.config import EngineSettings
 from otelkv.engine.decision import PullDecision, agrees_with_connector, decide_reverse_pull, role_of
 from otelkv.engine.guard import ErrorLedger, guarded
 from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord, new_payload, payload_is_empty, series_key
-from otelkv.engine.span_export import SpanRecord, new_span_id, new_trace_id
+from otelkv.engine.span_export import FinishedSpan, new_span_id, new_trace_id
 
 # vLLM RequestStatus names (compared by name: the enum's values are not an API).
 _FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
@@ -456,7 +456,7 @@ class SchedulerObserver:
 
         if self._writer.enabled:
             self._writer.emit(
-                SpanRecord(
+                FinishedSpan(
                     names.engine_request_span_name(role),
                     state.trace_id,
                     state.span_id,
@@ -477,7 +477,7 @@ class SchedulerObserver:
         if transfer is None or not self._writer.enabled:
             return
         self._writer.emit(
-            SpanRecord(
+            FinishedSpan(
                 transfer.name,
                 state.trace_id,
                 new_span_id(),
@@ -531,7 +531,7 @@ class SchedulerObserver:
         self._set_retained_gauges(retention.kind)
         if self._writer.enabled:
             self._writer.emit(
-                SpanRecord(
+                FinishedSpan(
                     names.retention_span_name(retention.kind),
                     state.trace_id,
                     new_span_id(),

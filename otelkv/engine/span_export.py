@@ -2,9 +2,9 @@
 
 Building an OpenTelemetry SDK span and encoding it to OTLP costs 100-300 us of Python per
 span, on the process that runs vLLM's scheduler loop (the exporter thread shares its
-GIL). So the engine only records: one flat tuple per span (:class:`SpanRecord`, ids
+GIL). So the engine only records: one flat tuple per span (:class:`FinishedSpan`, ids
 included) goes into a bounded queue; a daemon thread writes batches into a pipe; a
-separate exporter process (``python -m otelkv.engine.span_export``, started once per
+separate exporter process (``python -m otelkv.engine.exporter_process``, started once per
 engine) builds the SDK spans and exports them with the standard OTLP exporter and
 ``OTEL_*`` settings. When the exporter process falls behind or is gone, records are
 dropped and counted, never waited for: the engine does not block on telemetry.
@@ -39,7 +39,7 @@ QUEUE_CAPACITY = 16384
 BATCH_INTERVAL_S = 0.2
 
 
-class SpanRecord(NamedTuple):
+class FinishedSpan(NamedTuple):
     """Everything needed to rebuild one finished span in another process."""
 
     name: str
@@ -70,7 +70,7 @@ def new_trace_id() -> int:
 # ------------------------------------------------------------------ building SDK spans
 
 
-def build_spans(records: Sequence[SpanRecord], resource: Any, scope: Any) -> list[Any]:
+def build_spans(records: Sequence[FinishedSpan], resource: Any, scope: Any) -> list[Any]:
     """SDK ``ReadableSpan`` objects for OTLP exporters (parent-based sampling applied)."""
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext, Status, TraceFlags
@@ -117,7 +117,7 @@ class InProcessWriter:
         self._scope = scope or InstrumentationScope("otelkv.engine")
         self.dropped = 0
 
-    def emit(self, record: SpanRecord) -> None:
+    def emit(self, record: FinishedSpan) -> None:
         self._exporter.export(build_spans([record], self._resource, self._scope))
 
 
@@ -127,7 +127,7 @@ class NullWriter:
     enabled = False
     dropped = 0
 
-    def emit(self, record: SpanRecord) -> None:
+    def emit(self, record: FinishedSpan) -> None:
         return
 
 
@@ -140,12 +140,12 @@ class ProcessWriter:
     enabled = True
 
     def __init__(self, resource_attributes: dict[str, Any], capacity: int = QUEUE_CAPACITY) -> None:
-        self._queue: deque[SpanRecord] = deque()
+        self._queue: deque[FinishedSpan] = deque()
         self._capacity = capacity
         self._wake = threading.Event()
         self.dropped = 0
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "otelkv.engine.span_export"],
+            [sys.executable, "-m", "otelkv.engine.exporter_process"],
             stdin=subprocess.PIPE,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             start_new_session=False,
@@ -157,7 +157,12 @@ class ProcessWriter:
         self._thread = threading.Thread(target=self._run, name="otelkv-span-shipper", daemon=True)
         self._thread.start()
 
-    def emit(self, record: SpanRecord) -> None:
+    @property
+    def pid(self) -> int:
+        """The exporter process."""
+        return self._proc.pid
+
+    def emit(self, record: FinishedSpan) -> None:
         if len(self._queue) >= self._capacity:
             self.dropped += 1
             return
@@ -208,65 +213,3 @@ def _plain(attributes: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ exporter process
-
-
-def _read_exact(stream: Any, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        chunk = stream.read(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def main() -> int:
-    """Exporter process: read marshalled batches from stdin, export them over OTLP."""
-    _die_with_parent()
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-
-    from otelkv import __version__
-    from otelkv.engine import telemetry
-
-    stream = sys.stdin.buffer
-    exporter = None
-    resource = Resource.create({})
-    scope = InstrumentationScope("otelkv.engine", __version__)
-    while True:
-        header = _read_exact(stream, 4)
-        if header is None:
-            break
-        payload = _read_exact(stream, int.from_bytes(header, "big"))
-        if payload is None:
-            break
-        kind, body = marshal.loads(payload)
-        if kind == "resource":
-            resource = Resource.create(body)
-            try:
-                exporter = telemetry.make_exporter()
-            except Exception:
-                logger.exception("otelkv: cannot create the OTLP span exporter; spans are dropped")
-            continue
-        if exporter is not None:
-            try:
-                exporter.export(build_spans([SpanRecord(*r) for r in body], resource, scope))
-            except Exception:
-                logger.warning("otelkv: exporting a batch of spans failed", exc_info=True)
-    if exporter is not None:
-        exporter.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

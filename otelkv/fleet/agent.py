@@ -138,7 +138,7 @@ class AgentDriver:
                 names.SPAN_TOOL.format(name=turn.tool),
                 kind=SpanKind.INTERNAL,
                 attributes={
-                    names.GEN_AI_OPERATION_NAME: "execute_tool",
+                    names.GEN_AI_OPERATION_NAME: names.OPERATION_EXECUTE_TOOL,
                     names.GEN_AI_TOOL_NAME: turn.tool,
                     names.GEN_AI_TOOL_CALL_ID: call_id,
                     names.GEN_AI_CONVERSATION_ID: conversation.conversation_id,
@@ -181,7 +181,7 @@ class AgentDriver:
                 names.SPAN_AGENT_TURN.format(model=self.model),
                 kind=SpanKind.CLIENT,
                 attributes={
-                    names.GEN_AI_OPERATION_NAME: "chat",
+                    names.GEN_AI_OPERATION_NAME: names.OPERATION_CHAT,
                     names.GEN_AI_REQUEST_MODEL: self.model,
                     names.GEN_AI_CONVERSATION_ID: conversation.conversation_id,
                     names.TURN_INDEX: index,

@@ -81,7 +81,7 @@ def settings(config: Any) -> dict[str, Any]:
     """The settings a comparison shows, keyed as the engines' resources name them."""
     return {
         "bidirectional_kv_xfer": config.bidirectional,
-        "decoder_kv_blocks_ttl": config.decoder_ttl_s,
+        "decoder_kv_blocks_ttl_s": config.decoder_ttl_s,
         "kv_recompute_threshold": config.recompute_threshold,
         "router_handle_ttl_s": config.effective_router_ttl(),
         "router_decode_streamed": config.stream_decode,

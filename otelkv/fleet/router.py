@@ -229,7 +229,8 @@ class PDRouter:
             return web.json_response({"error": {"message": "request body must be a JSON object"}}, status=400)
         self.stats.requests += 1
         path = request.path
-        operation = "chat" if path.endswith("chat/completions") else "text_completion"
+        chat = path.endswith("chat/completions")
+        operation = names.OPERATION_CHAT if chat else names.OPERATION_TEXT_COMPLETION
         conversation_id = conversation_id_of(request.headers, body)
         body.pop("conversation_id", None)  # not an OpenAI field; vLLM gets X-Session-ID instead
         client_stream = bool(body.get("stream"))

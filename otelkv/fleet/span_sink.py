@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from otelkv.sidecar.otlp import OtlpDecodeError, SpanRecord, decode_traces
+from otelkv.sidecar.otlp import OtlpDecodeError, decode_traces
+from otelkv.spans import SpanRecord
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 

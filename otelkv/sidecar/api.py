@@ -39,7 +39,7 @@ def token_guard(token: str | None) -> Callable[[web.Request, Handler], Awaitable
 class QueryApi:
     def __init__(self, source: Any | None, describe: str) -> None:
         self.source = source
-        """An ``otelkv.analysis.report.SpanSource`` over the store (None: no store)."""
+        """An ``otelkv.analysis.sources.SpanSource`` over the store (None: no store)."""
         self.describe = describe
 
     def routes(self) -> list[web.RouteDef]:

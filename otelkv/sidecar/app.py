@@ -30,12 +30,12 @@ from otelkv.sidecar.api import QueryApi, token_guard
 from otelkv.sidecar.forward import CollectorForwarder
 from otelkv.sidecar.identity import MAX_ID_CHARS, IdPolicy
 from otelkv.sidecar.metrics import SidecarMetrics
-from otelkv.sidecar.otlp import SpanRecord
 from otelkv.sidecar.pipeline import SpanPipeline
 from otelkv.sidecar.proxy_process import ProxyProcess
 from otelkv.sidecar.receiver import MAX_OTLP_BODY_BYTES, OtlpReceiver
 from otelkv.sidecar.recorder import TurnRecorder
 from otelkv.sidecar.tool_spans import ToolSpanIndex
+from otelkv.spans import SpanRecord
 
 logger = logging.getLogger("otelkv.sidecar")
 
@@ -210,7 +210,7 @@ class Sidecar:
         cfg = self.config
         if not cfg.store:
             return
-        from otelkv.analysis.report import StoreSource
+        from otelkv.analysis.sources import StoreSource
         from otelkv.store import open_store
         from otelkv.store.writer import BatchWriter
 

@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 
 logger = logging.getLogger("otelkv.sidecar")
 

@@ -15,103 +15,41 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from otelkv import names
 from otelkv.analysis.phases import Phases
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord, attr_float, attr_str, is_prefill_request, is_retention, is_transfer
 
 MAX_MODELS = 32
 
 
-def _num(value: object) -> float:
-    if isinstance(value, bool):
-        return float(value)
-    try:
-        if isinstance(value, int | float):
-            return float(value)
-        return float(str(value))
-    except (ValueError, OverflowError):  # OverflowError: an int too large for a float
-        return 0.0
+def _create(spec: names.Metric, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+    labels = list(spec.labels)
+    if spec.kind == names.COUNTER:
+        return Counter(spec.name, spec.help, labels, registry=registry)
+    if spec.kind == names.GAUGE:
+        return Gauge(spec.name, spec.help, labels, registry=registry)
+    return Histogram(spec.name, spec.help, labels, buckets=spec.buckets, registry=registry)
 
 
 class SidecarMetrics:
+    """The metrics of :data:`otelkv.names.SIDECAR_METRICS`, in a registry of their own."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        buckets = names.TURN_SECONDS_BUCKETS
-        self.phase = Histogram(
-            names.METRIC_TURN_PHASE_SECONDS,
-            "Seconds of each agent turn spent in each phase.",
-            ["phase", "model"],
-            buckets=buckets,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            names.METRIC_TURN_TTFT_SECONDS,
-            "Time to first token of agent turns, by turn index (bucketed).",
-            ["turn_index", "model"],
-            buckets=buckets,
-            registry=r,
-        )
-        self.gap = Histogram(
-            names.METRIC_TURN_GAP_SECONDS,
-            "Gap before a turn (tool wait plus app work), by the evidence used to split it.",
-            ["source"],
-            buckets=buckets,
-            registry=r,
-        )
-        self.turns = Counter(
-            names.METRIC_TURNS, "Turns the sidecar proxied.", ["model", "status", "stream"], registry=r
-        )
-        self.prefill_tokens = Counter(
-            names.METRIC_TRACE_PREFILL_TOKENS,
-            "Prompt tokens on prefill nodes by where their KV came from (from engine spans).",
-            ["source"],
-            registry=r,
-        )
-        self.decisions = Counter(
-            names.METRIC_TRACE_PULL_DECISIONS,
-            "Pull-or-recompute decisions on prefill nodes (from engine spans).",
-            ["decision", "reason"],
-            registry=r,
-        )
-        self.transfer_bytes = Counter(
-            names.METRIC_TRACE_TRANSFER_BYTES,
-            "KV bytes read over NIXL (from engine transfer spans).",
-            ["direction", "backend"],
-            registry=r,
-        )
-        self.retentions = Counter(
-            names.METRIC_TRACE_RETENTIONS,
-            "Retentions that ended on decode nodes (from engine spans).",
-            ["kind", "outcome"],
-            registry=r,
-        )
-        self.received = Counter(
-            names.METRIC_SIDECAR_SPANS_RECEIVED, "Spans accepted for the store.", ["source"], registry=r
-        )
-        self.dropped = Counter(
-            names.METRIC_SIDECAR_SPANS_DROPPED, "Spans that did not reach the store.", ["reason"], registry=r
-        )
-        self.otlp_rejected = Counter(
-            names.METRIC_SIDECAR_OTLP_REJECTED,
-            "OTLP exports refused (malformed, too large, media type).",
-            registry=r,
-        )
-        self.requests_refused = Counter(
-            names.METRIC_SIDECAR_REQUESTS_REFUSED,
-            "Client requests refused by the proxy (malformed, too large, upgrade).",
-            registry=r,
-        )
-        self.upstream_errors = Counter(
-            names.METRIC_SIDECAR_UPSTREAM_ERRORS, "Requests the upstream could not answer.", registry=r
-        )
-        self.forward_dropped = Counter(
-            names.METRIC_SIDECAR_FORWARD_DROPPED,
-            "Turn spans that did not reach the collector (OTEL_EXPORTER_OTLP_*).",
-            ["reason"],
-            registry=r,
-        )
-        self.store_queue = Gauge(
-            names.METRIC_SIDECAR_STORE_QUEUE, "Spans waiting for the store writer.", registry=r
-        )
+        m = {spec.name: _create(spec, self.registry) for spec in names.SIDECAR_METRICS}
+        self.phase = m[names.METRIC_TURN_PHASE_SECONDS]
+        self.ttft = m[names.METRIC_TURN_TTFT_SECONDS]
+        self.gap = m[names.METRIC_TURN_GAP_SECONDS]
+        self.turns = m[names.METRIC_TURNS]
+        self.prefill_tokens = m[names.METRIC_TRACE_PREFILL_TOKENS]
+        self.decisions = m[names.METRIC_TRACE_PULL_DECISIONS]
+        self.transfer_bytes = m[names.METRIC_TRACE_TRANSFER_BYTES]
+        self.retentions = m[names.METRIC_TRACE_RETENTIONS]
+        self.received = m[names.METRIC_SIDECAR_SPANS_RECEIVED]
+        self.dropped = m[names.METRIC_SIDECAR_SPANS_DROPPED]
+        self.otlp_rejected = m[names.METRIC_SIDECAR_OTLP_REJECTED]
+        self.requests_refused = m[names.METRIC_SIDECAR_REQUESTS_REFUSED]
+        self.upstream_errors = m[names.METRIC_SIDECAR_UPSTREAM_ERRORS]
+        self.forward_dropped = m[names.METRIC_SIDECAR_FORWARD_DROPPED]
+        self.store_queue = m[names.METRIC_SIDECAR_STORE_QUEUE]
         self._models: set[str] = set()
 
     def model_label(self, model: str) -> str:
@@ -132,33 +70,35 @@ class SidecarMetrics:
             self.ttft.labels(names.turn_index_bucket(turn_index), label).observe(ttft_s)
         if phases.gap_source != names.GAP_SOURCE_NONE:
             self.gap.labels(phases.gap_source).observe(phases.tool_wait_s + phases.app_work_s)
-        self.turns.labels(label, "ok" if ok else "error", "true" if stream else "false").inc()
+        self.turns.labels(
+            label, names.TURN_STATUS_OK if ok else names.TURN_STATUS_ERROR, "true" if stream else "false"
+        ).inc()
 
     def observe_spans(self, spans: Iterable[SpanRecord]) -> None:
         """Count fleet-wide KV reuse from engine spans as they arrive (vocabulary-checked)."""
         for span in spans:
             a = span.attributes
-            if span.name.startswith("kv_request") and a.get(names.ROLE) == names.ROLE_PREFILL:
+            if is_prefill_request(span):
                 for source, key in (
                     (names.TOKEN_SOURCE_COMPUTED, names.TOKENS_COMPUTED),
                     (names.TOKEN_SOURCE_LOCAL_CACHE, names.TOKENS_LOCAL_CACHE_HIT),
                     (names.TOKEN_SOURCE_PULLED, names.TOKENS_PULLED),
                 ):
-                    value = _num(a.get(key, 0))
+                    value = attr_float(a, key)
                     if value > 0:
                         self.prefill_tokens.labels(source).inc(value)
-                decision, reason = a.get(names.PULL_DECISION), a.get(names.PULL_REASON)
+                decision, reason = attr_str(a, names.PULL_DECISION), attr_str(a, names.PULL_REASON)
                 if decision in names.PULL_DECISIONS and reason in names.PULL_REASONS:
                     self.decisions.labels(decision, reason).inc()
-            elif span.name.startswith("kv_transfer"):
-                direction = a.get(names.TRANSFER_DIRECTION)
-                backend = str(a.get(names.TRANSFER_BACKEND, "unknown"))[:16]
+            elif is_transfer(span):
+                direction = attr_str(a, names.TRANSFER_DIRECTION)
+                backend = attr_str(a, names.TRANSFER_BACKEND, "unknown")[:16]
                 if direction in names.DIRECTIONS:
-                    value = _num(a.get(names.TRANSFER_BYTES, 0))
+                    value = attr_float(a, names.TRANSFER_BYTES)
                     if value > 0:
                         self.transfer_bytes.labels(direction, backend).inc(value)
-            elif span.name.startswith("kv_retention"):
-                kind, outcome = a.get(names.RETENTION_KIND), a.get(names.RETENTION_OUTCOME)
+            elif is_retention(span):
+                kind, outcome = attr_str(a, names.RETENTION_KIND), attr_str(a, names.RETENTION_OUTCOME)
                 if kind in names.RETENTION_KINDS and outcome in names.RETENTION_OUTCOMES:
                     self.retentions.labels(kind, outcome).inc()
 

@@ -1,6 +1,6 @@
 """Decoding OTLP trace exports (HTTP, protobuf and JSON) into flat span records.
 
-Used by the OTLP receiver of the reference fleet and, later, of the sidecar. Bad input
+Used by the OTLP receivers of the sidecar and of the reference fleet. Bad input
 raises :class:`OtlpDecodeError` with a message a client can act on; it never crashes the
 receiving process.
 
@@ -15,12 +15,13 @@ import base64
 import binascii
 import json
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from otelkv.spans import SpanRecord
 
 MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
 """Refuse exports that inflate beyond this (zip-bomb guard)."""
@@ -44,36 +45,6 @@ class OtlpDecodeError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass
-class SpanRecord:
-    """One span, flattened with its resource and scope (the shape of ``otel_traces``)."""
-
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    name: str
-    kind: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-    resource: dict[str, Any]
-    scope_name: str = ""
-    scope_version: str = ""
-    status_code: str = "Unset"
-    status_message: str = ""
-    trace_state: str = ""
-    events: list[dict[str, Any]] = field(default_factory=list)
-    links: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def service_name(self) -> str:
-        return str(self.resource.get("service.name", ""))
-
-    @property
-    def duration_s(self) -> float:
-        return (self.end_ns - self.start_ns) / 1e9
 
 
 def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_BYTES) -> bytes:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from otelkv.sidecar.metrics import SidecarMetrics
-from otelkv.sidecar.otlp import SpanRecord
 from otelkv.sidecar.tool_spans import ToolSpanIndex
+from otelkv.spans import SpanRecord
 
 logger = logging.getLogger("otelkv.sidecar")
 

@@ -16,9 +16,9 @@ from typing import Any
 from otelkv import __version__, names
 from otelkv.analysis.phases import Phases, split_gap, turn_phases
 from otelkv.sidecar.metrics import SidecarMetrics
-from otelkv.sidecar.otlp import SpanRecord
 from otelkv.sidecar.tool_spans import ToolSpanIndex
 from otelkv.sidecar.turn_watch import TurnRecord
+from otelkv.spans import SpanRecord
 
 logger = logging.getLogger("otelkv.sidecar")
 

@@ -261,6 +261,11 @@ class UpstreamPool:
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if tls else None
         self._idle: deque[_Upstream] = deque()
 
+    @property
+    def idle_count(self) -> int:
+        """Upstream connections kept open for the next request."""
+        return len(self._idle)
+
     def take(self) -> _Upstream | None:
         now = time.monotonic()
         while self._idle:
@@ -366,6 +371,11 @@ class _Client(asyncio.Protocol):
             self.upstream.transport.resume_reading()
 
     # httptools callbacks
+    @property
+    def parsed_url(self) -> bytes:
+        """The URL of the request this connection read last (its head may still be arriving)."""
+        return self._req.url
+
     def on_message_begin(self) -> None:
         self._head_bytes = 0
         self._head_size = 0

@@ -14,15 +14,9 @@ from collections.abc import Iterable
 
 from otelkv import names
 from otelkv.sidecar.identity import DEFAULT_POLICY, IdPolicy, clean_id
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord, is_tool_span
 
 _PER_KEY = 64
-
-
-def is_tool_span(span: SpanRecord) -> bool:
-    return span.attributes.get(names.GEN_AI_OPERATION_NAME) == "execute_tool" or span.name.startswith(
-        "execute_tool"
-    )
 
 
 class ToolSpanIndex:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from otelkv import names
 from otelkv.sidecar.conversations import ConversationTracker, TurnStart
 from otelkv.sidecar.identity import DEFAULT_POLICY, ConversationIdentity, IdPolicy, identify
 from otelkv.sidecar.relay import LowerHeaders, Request, header_dict
@@ -26,7 +27,10 @@ from otelkv.sidecar.response import RequestFacts, ResponseFacts, ResponseObserve
 
 logger = logging.getLogger("otelkv.sidecar")
 
-OBSERVED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+OBSERVED_PATHS = {
+    "/v1/chat/completions": names.OPERATION_CHAT,
+    "/v1/completions": names.OPERATION_TEXT_COMPLETION,
+}
 
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 _ZERO_TRACE = "0" * 32

@@ -25,9 +25,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
+from otelkv.spans.attrs import attr_value, format_float
 from otelkv.store import schema
-from otelkv.store.rows import attr_value, format_float
 
 _MAP = pa.map_(pa.string(), pa.string())
 _TS = pa.timestamp("ns", tz="UTC")

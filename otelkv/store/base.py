@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 
 
 class StoreError(Exception):

@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store import schema
 from otelkv.store.arrow_batch import BuildError, spans_to_arrow
 from otelkv.store.base import StoreError, param_text
@@ -72,7 +72,7 @@ class ChdbStore:
         try:
             from chdb import session as chdb_session
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise StoreError("the embedded trace store needs chDB: pip install 'otelkv[store]'") from exc
+            raise StoreError("the embedded trace store needs chDB: pip install 'otelkv[sidecar]'") from exc
         self.path = Path(path).expanduser().resolve()
         self.database = database
         self._lock = threading.Lock()

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store import schema
 from otelkv.store.base import StoreError, param_text
 from otelkv.store.rows import span_to_row

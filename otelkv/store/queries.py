@@ -11,13 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from otelkv import names
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
+from otelkv.spans import sql as span_sql
 from otelkv.store import schema
 from otelkv.store.base import TraceStore
 from otelkv.store.rows import SPAN_SELECT, row_to_span
-
-TURN_NAME_LIKE = "chat %"
-TOOL_NAME_LIKE = "execute_tool%"
 
 
 def _tables(store: TraceStore) -> tuple[str, str]:
@@ -39,15 +37,15 @@ def turn_spans(
     slowest_first: bool = True,
     conversation_id: str | None = None,
 ) -> list[SpanRecord]:
-    """Turn spans (``chat {model}`` with ``otelkv.turn.index``) in ``[since_ns, until_ns)``.
+    """Turn spans (:data:`otelkv.spans.sql.TURN_SPANS`) starting in ``[since_ns, until_ns)``.
 
     Slowest first by ``otelkv.turn.total_s`` (the span's duration when that is absent or 0);
     with ``conversation_id``, that conversation's turns in time order instead. ``limit=None``
     returns all.
     """
     table, _ = _tables(store)
-    where = ["SpanName LIKE {turn_like:String}", "mapContains(SpanAttributes, {turn_index_key:String})"]
-    params: dict[str, Any] = {"turn_like": TURN_NAME_LIKE, "turn_index_key": names.TURN_INDEX}
+    where = [span_sql.TURN_SPANS]
+    params: dict[str, Any] = {}
     if since_ns is not None:
         where.append("Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})")
         params["since_ns"] = int(since_ns)
@@ -110,12 +108,11 @@ def tool_spans(
     """
     table, _ = _tables(store)
     where = [
-        "SpanName LIKE {tool_like:String}",
+        span_sql.TOOL_SPANS,
         "Timestamp <= fromUnixTimestamp64Nano({until_ns:Int64})",
         "toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {since_ns:Int64}",
     ]
     params: dict[str, Any] = {
-        "tool_like": TOOL_NAME_LIKE,
         "since_ns": int(since_ns),
         "until_ns": int(until_ns),
     }
@@ -135,13 +132,12 @@ def find_turn(store: TraceStore, conversation_id: str, index: int) -> SpanRecord
     sql = f"""\
 SELECT {SPAN_SELECT}
 FROM {table}
-WHERE SpanName LIKE {{turn_like:String}}
+WHERE {span_sql.TURN_SPANS}
   AND SpanAttributes[{{conv_key:String}}] = {{conversation_id:String}}
   AND SpanAttributes[{{turn_index_key:String}}] = toString({{index:Int64}})
 ORDER BY ScopeName = {{sidecar_scope:String}} DESC, Timestamp ASC
 LIMIT 1"""
     params = {
-        "turn_like": TURN_NAME_LIKE,
         "conv_key": names.GEN_AI_CONVERSATION_ID,
         "conversation_id": conversation_id,
         "turn_index_key": names.TURN_INDEX,

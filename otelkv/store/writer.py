@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store.base import TraceStore
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from otelkv import names
 from otelkv.fleet.span_sink import SpanSink
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 
 
 def in_trace(spans: Iterable[SpanRecord], trace_id: str) -> list[SpanRecord]:

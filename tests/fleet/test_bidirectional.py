@@ -18,7 +18,7 @@ from otelkv import names
 from otelkv.fleet import metrics as prom
 from otelkv.fleet.agent import Conversation, Turn, TurnResult
 from otelkv.fleet.fleet import Fleet, FleetConfig
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
 

@@ -20,6 +20,7 @@ import pytest
 
 from otelkv import names
 from otelkv.fleet.record import RecordOptions, record
+from tests.schema import assert_valid
 
 pytestmark = pytest.mark.fleet
 
@@ -52,7 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr
-    return {"manifests": manifests, "compare": json.loads(done.stdout), "root": root}
+    return {"manifests": manifests, "compare": assert_valid(json.loads(done.stdout)), "root": root}
 
 
 def test_both_arms_sent_the_same_turns(runs: dict[str, Any]) -> None:
@@ -73,7 +74,7 @@ def test_compare_finds_pulls_and_transfer_only_in_on(runs: dict[str, Any]) -> No
     settings = {row["key"]: row for row in data["settings"]}
     assert settings["bidirectional_kv_xfer"]["differs"]
     assert (settings["bidirectional_kv_xfer"]["a"], settings["bidirectional_kv_xfer"]["b"]) == (True, False)
-    assert settings["decoder_kv_blocks_ttl"]["a"] == settings["decoder_kv_blocks_ttl"]["b"] == TTL_S
+    assert settings["decoder_kv_blocks_ttl_s"]["a"] == settings["decoder_kv_blocks_ttl_s"]["b"] == TTL_S
 
     pulls_a, pulls_b = data["pulls_by_reason"]["a"], data["pulls_by_reason"]["b"]
     assert pulls_a.get(names.REASON_PULLED, 0) >= 1, pulls_a

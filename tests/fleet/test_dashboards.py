@@ -46,7 +46,7 @@ pytest.importorskip(
 )
 
 from otelkv import names
-from otelkv.dashboards import build, expand, inventory, vllm_metrics
+from otelkv.dashboards import build, inventory, vllm_metrics
 from otelkv.dashboards import promql as q
 from otelkv.dashboards.frame import CONVERSATION_VAR
 from otelkv.fleet import metrics as prom_text
@@ -56,6 +56,7 @@ from otelkv.fleet.fleet import Fleet, FleetConfig
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
 from tests.unit.dashboards_tools import require_tool, traceql_parse
+from tools import grafana_expand as expand
 
 pytestmark = pytest.mark.fleet
 
@@ -522,7 +523,7 @@ def test_readme_picture_is_drawn_from_the_run(
     """The README's picture: six panels drawn from their own queries on this run's Prometheus
     and store. ``OTELKV_README_PICTURE=docs/img/dashboards.png`` keeps it; every panel must
     have drawn data, so the picture cannot silently show an empty panel."""
-    from otelkv.dashboards.render import render
+    from tools.dashboard_picture import render
 
     assert fleet.sidecar is not None
     store = fleet.sidecar.store

@@ -24,14 +24,15 @@ import pytest
 
 from otelkv import names
 from otelkv.analysis import report
-from otelkv.analysis.report import StoreSource
+from otelkv.analysis.sources import StoreSource
 from otelkv.fleet.agent import Conversation, Turn, TurnResult
 from otelkv.fleet.fleet import Fleet, FleetConfig
 from otelkv.sidecar.app import Sidecar, SidecarConfig
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store import queries
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
+from tests.schema import assert_valid
 
 pytestmark = pytest.mark.fleet
 
@@ -180,10 +181,10 @@ def test_gap_split_from_agent_spans_and_from_messages(
     assert c[names.TURN_GAP_SOURCE] == names.GAP_SOURCE_MESSAGES
     assert c[names.TURN_TOOL_WAIT_SECONDS] == c[names.TURN_GAP_SECONDS] >= 0.6
     # The conversation waterfall shows the same split.
-    waterfall = report.conversation(stored(fleet), "conv-agent")
+    waterfall = assert_valid(report.conversation(stored(fleet), "conv-agent"))
     assert [row["turn_index"] for row in waterfall["turns"]] == [0, 1, 2]
     row = waterfall["turns"][1]
-    assert row["phases"][names.PHASE_TOOL_WAIT] == pytest.approx(tool.duration_s, abs=0.01)
+    assert row["phases"][f"{names.PHASE_TOOL_WAIT}_s"] == pytest.approx(tool.duration_s, abs=0.01)
 
 
 def test_why_names_the_ttl_lapse_with_gap_and_ttl(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
@@ -195,7 +196,7 @@ def test_why_names_the_ttl_lapse_with_gap_and_ttl(fleet: Fleet, results: dict[st
     (retention,) = children(spans, decode, "kv_retention")
     assert retention.attributes[names.RETENTION_OUTCOME] == names.RETENTION_EXPIRED
     turn_span(fleet, second.trace_id)
-    answer = report.why(stored(fleet), "conv-lapse#1")
+    answer = assert_valid(report.why(stored(fleet), "conv-lapse#1"))["turn"]
     by_id = {d["id"]: d for d in answer["diagnoses"]}
     assert names.DIAG_TTL_LAPSED in by_id, answer["diagnoses"]
     evidence = by_id[names.DIAG_TTL_LAPSED]["evidence"]
@@ -218,7 +219,7 @@ def test_streaming_decode_leg_is_diagnosed_as_missing_handle(
         ]
         == names.REASON_NO_DECODE_HANDLE
     )
-    answer = report.why(stored(fleet), second.trace_id)
+    answer = assert_valid(report.why(stored(fleet), second.trace_id))["turn"]
     assert names.DIAG_DECODE_NO_HANDLE in [d["id"] for d in answer["diagnoses"]], answer["diagnoses"]
 
 
@@ -230,7 +231,7 @@ def test_request_without_conversation_id_is_fingerprinted_and_diagnosed(
     assert len(ids) == 1 and next(iter(ids)).startswith("fp-")
     assert [s.attributes[names.TURN_INDEX] for s in spans] == [0, 1]
     assert all(s.attributes[names.CONVERSATION_INFERRED] is True for s in spans)
-    answer = report.why(stored(fleet), results["conv-anonymous"][1].trace_id)
+    answer = assert_valid(report.why(stored(fleet), results["conv-anonymous"][1].trace_id))["turn"]
     assert names.DIAG_NO_CONVERSATION_ID in [d["id"] for d in answer["diagnoses"]]
 
 
@@ -246,7 +247,8 @@ def test_cli_why_and_slow_through_the_sidecar_api(fleet: Fleet, results: dict[st
         timeout=60,
         check=True,
     )
-    assert names.DIAG_TTL_LAPSED in [d["id"] for d in json.loads(out.stdout)["diagnoses"]]
+    why = assert_valid(json.loads(out.stdout))
+    assert names.DIAG_TTL_LAPSED in [d["id"] for d in why["turn"]["diagnoses"]]
     out = subprocess.run(
         [*cli, "slow", "--since", "1h", "--limit", "3", "--sidecar", fleet.sidecar.admin_url],
         capture_output=True,
@@ -255,6 +257,16 @@ def test_cli_why_and_slow_through_the_sidecar_api(fleet: Fleet, results: dict[st
         check=True,
     )
     assert "conv-lapse" in out.stdout  # the 12 s tool wait makes it the slowest turn
+    # Every verb's JSON through the sidecar API, as real engines left it, fits the schema.
+    for verb in (["slow", "--since", "1h"], ["conversation", "conv-lapse"], ["tune", "--since", "1h"]):
+        done = subprocess.run(
+            [*cli, *verb, "--sidecar", fleet.sidecar.admin_url, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert assert_valid(json.loads(done.stdout))["kind"] == verb[0]
 
 
 def test_sidecar_metrics_count_turns_and_kv_reuse(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
@@ -411,7 +423,7 @@ def test_prefill_engine_killed_mid_hand_off(fleet: Fleet) -> None:
         lambda spans: any(s.trace_id == turn.trace_id and s.scope_name == names.SCOPE_SIDECAR for s in spans),
         timeout=30,
     )
-    answer = report.why(stored(fleet), turn.trace_id)
+    answer = assert_valid(report.why(stored(fleet), turn.trace_id))["turn"]
     assert names.DIAG_TRANSFER_FAILED in [d["id"] for d in answer["diagnoses"]], answer["diagnoses"]
 
     # The sidecar is unharmed: it still relays (the router's own health endpoint).

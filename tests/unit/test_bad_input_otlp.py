@@ -20,9 +20,11 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from otelkv import names
 from otelkv.sidecar.app import Sidecar, SidecarConfig
-from otelkv.sidecar.otlp import MAX_DECOMPRESSED_BYTES, SpanRecord
+from otelkv.sidecar.otlp import MAX_DECOMPRESSED_BYTES
 from otelkv.sidecar.receiver import MAX_OTLP_BODY_BYTES
+from otelkv.spans import SpanRecord
 
 PROTO = "application/x-protobuf"
 JSON = "application/json"
@@ -209,7 +211,8 @@ def post(sc: Sidecar, body: bytes, ctype: str | None, encoding: str | None = Non
 
 
 def rejected(sc: Sidecar) -> float:
-    return sc.metrics.otlp_rejected._value.get()  # type: ignore[attr-defined,no-any-return]
+    value = sc.metrics.registry.get_sample_value(names.METRIC_SIDECAR_OTLP_REJECTED + "_total")
+    return value or 0.0
 
 
 def test_corpus_is_large_and_ids_are_unique() -> None:

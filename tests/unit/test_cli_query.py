@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import pytest
 
 from otelkv.analysis import report
-from otelkv.analysis.report import InMemorySource
+from otelkv.analysis.sources import InMemorySource
 from otelkv.cli import query_cmds, render, source
 from otelkv.cli.source import LocalQuerier, QueryError, parse_duration, window_ns
 from tests.unit.test_report import lapse_conversation, quick_conversation
@@ -220,7 +220,7 @@ def test_default_resolution(sidecar: str, tmp_path: Any, monkeypatch: pytest.Mon
 
 def test_local_querier_maps_not_found() -> None:
     q = LocalQuerier(MEM)
-    assert q.why("conv-quick#0")["turn_index"] == 0
+    assert q.why("conv-quick#0")["turn"]["turn_index"] == 0
     with pytest.raises(QueryError, match="neither a trace id"):
         q.why("bogus")
 

@@ -4,7 +4,7 @@ No otelcol-contrib binary, Tempo, ClickHouse server, Grafana or Docker daemon ca
 where this suite runs (docs/collectors.md says what was and was not validated). So these
 tests check what can be checked offline, and each can fail:
 
-* the collector configs with :mod:`otelkv.collectors.validate`: the collector's own rules
+* the collector configs with :mod:`tools.collectors.validate`: the collector's own rules
   (every pipeline reference defined, every component used, connectors exporter-then-
   receiver between signal types they support) and key tables transcribed from upstream
   ``config.schema.yaml`` files for the pinned release, with value types (durations
@@ -40,13 +40,14 @@ import pytest
 import yaml
 
 from otelkv import names
-from otelkv.collectors.components import (
+from otelkv.store import DEFAULT_DATABASE, schema
+from tools.collectors.components import (
     AGGREGATION_TEMPORALITIES,
     COLLECTOR_VERSION,
     RESOURCE_DETECTORS,
     ROUTING_KEYS,
 )
-from otelkv.collectors.validate import (
+from tools.collectors.validate import (
     ctype,
     env_refs,
     expand,
@@ -54,7 +55,6 @@ from otelkv.collectors.validate import (
     parse_duration_s,
     validate_collector,
 )
-from otelkv.store import DEFAULT_DATABASE, schema
 
 ROOT = Path(__file__).resolve().parents[2]
 COLLECTORS = ROOT / "collectors"

@@ -28,8 +28,8 @@ from otelkv import names
 from otelkv.analysis.compare.aggregate import CompareOptions, compare_runs, prompt_bucket, stats
 from otelkv.analysis.compare.rows import OUTCOME_ERROR, OUTCOME_INTERRUPTED, Run, load_run, turn_row
 from otelkv.analysis.model import build_turn
-from otelkv.analysis.report import InMemorySource
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.analysis.sources import InMemorySource
+from otelkv.spans import SpanRecord
 from tests.unit.test_diagnose import stored, trace_id, turn_trace
 
 # conv, index, start, prompt, (A ttft, B ttft), (A prefill end, B prefill end), A pulled, A wait, A reason, A retention
@@ -153,7 +153,7 @@ def run_spans(on: bool, base_s: float = 0.0) -> list[SpanRecord]:
 MANIFEST_A = {
     "scenarios": ["agent-short-tools"],
     "scenario_params": {"ttl_s": 12.0, "scale": 1.0, "seed": 0, "router_ttl_s": None},
-    "settings": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 12.0, "router_handle_ttl_s": 6.0},
+    "settings": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl_s": 12.0, "router_handle_ttl_s": 6.0},
 }
 MANIFEST_B = {**MANIFEST_A, "settings": {**MANIFEST_A["settings"], "bidirectional_kv_xfer": False}}
 
@@ -235,18 +235,19 @@ def check_comparison(data: dict[str, Any]) -> None:
 
     reg = data["regressions"]
     assert (reg["factor"], reg["compared"], reg["count"], reg["faster_count"]) == (1.2, 5, 2, 0)
-    assert [t["turn"] for t in reg["turns"]] == ["c1#2", "c1#1"]  # worst first
+    assert [t["ref"] for t in reg["turns"]] == ["c1#2", "c1#1"]  # worst first
     worst = reg["turns"][0]
-    assert (worst["a_ttft_s"], worst["b_ttft_s"], worst["ratio"], worst["delta_s"]) == (0.6, 0.9, 1.5, 0.3)
-    assert (worst["a_pull_reason"], worst["b_pull_reason"]) == ("pulled", "bidirectional_off")
-    found = {d["id"]: d for d in worst["b_diagnoses"]}
+    a, b = worst["a"], worst["b"]
+    assert (a["ttft_s"], b["ttft_s"], worst["ratio"], worst["delta_s"]) == (0.6, 0.9, 1.5, 0.3)
+    assert (a["prefill"]["reason"], b["prefill"]["reason"]) == ("pulled", "bidirectional_off")
+    found = {d["id"]: d for d in b["diagnoses"]}
     assert list(found) == [
         names.DIAG_TOOL_WAIT_DOMINATES,
         names.DIAG_BIDIRECTIONAL_OFF,
     ]  # by cost: the 2 s gap first
     # what c1#1's decode request held (its 300 prompt + 40 output tokens) was recomputed
     assert "prefill recomputed 340 tokens" in found[names.DIAG_BIDIRECTIONAL_OFF]["summary"]
-    assert names.DIAG_BIDIRECTIONAL_OFF not in worst["a_diagnoses"]
+    assert names.DIAG_BIDIRECTIONAL_OFF not in [d["id"] for d in a["diagnoses"]]
     assert sum(p["regressed"] for p in reg["points"]) == 2 and len(reg["points"]) == 5
 
     settings = {row["key"]: row for row in data["settings"]}
@@ -255,7 +256,7 @@ def check_comparison(data: dict[str, Any]) -> None:
         settings["bidirectional_kv_xfer"]["differs"]
         and settings["bidirectional_kv_xfer"]["a_source"] == "spans"
     )
-    assert (settings["decoder_kv_blocks_ttl"]["a"], settings["decoder_kv_blocks_ttl"]["differs"]) == (
+    assert (settings["decoder_kv_blocks_ttl_s"]["a"], settings["decoder_kv_blocks_ttl_s"]["differs"]) == (
         12.0,
         False,
     )
@@ -282,7 +283,7 @@ def test_factor_and_min_delta() -> None:
     assert compare_runs(a, b, CompareOptions(factor=1.6))["regressions"]["count"] == 0
     # 1.2x but at least 0.2 s slower: only c1#2 (+0.3 s); c1#1 is +0.15 s.
     only = compare_runs(a, b, CompareOptions(min_delta_s=0.2))["regressions"]
-    assert [t["turn"] for t in only["turns"]] == ["c1#2"]
+    assert [t["ref"] for t in only["turns"]] == ["c1#2"]
     # Swapped, B's slow turns are A's improvements.
     back = compare_runs(b, a)["regressions"]
     assert (back["count"], back["faster_count"]) == (0, 2)

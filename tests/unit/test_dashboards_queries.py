@@ -28,16 +28,17 @@ pytest.importorskip(
 
 from otelkv import names
 from otelkv.analysis.phases import Phases
-from otelkv.dashboards import build, expand, inventory, vllm_metrics
+from otelkv.dashboards import build, inventory, vllm_metrics
 from otelkv.dashboards import promql as q
 from otelkv.dashboards.frame import CONVERSATION_VAR
 from otelkv.sidecar.metrics import SidecarMetrics
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store.base import StoreError
 from otelkv.store.chdb_store import ChdbStore
 from tests.unit.dashboards_tools import promtool_check, traceql_parse
 from tests.unit.test_diagnose import T0, S, turn_trace
 from tests.unit.test_report import lapse_conversation, quick_conversation
+from tools import grafana_expand as expand
 
 QUERIES = inventory.all_queries({spec.filename: build.to_json(spec.build()) for spec in build.DASHBOARDS})
 NOW = datetime.now(timezone.utc)
@@ -117,8 +118,8 @@ def _exported_families() -> dict[str, set[str]]:
     vllm_labels = {"model_name", "engine"}
     families: dict[str, set[str]] = {}
     prom = pytest.importorskip("otelkv.engine.prom")  # needs vLLM's metric classes
-    for name, (kind, _, extra) in prom.METRICS.items():
-        labels = vllm_labels | set(extra)
+    for name, spec in prom.METRICS.items():
+        kind, labels = spec.kind, vllm_labels | set(spec.labels)
         if kind == "counter":
             families[q.counter(name)] = labels
         elif kind == "gauge":

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from otelkv.dashboards import build, expand
-from otelkv.dashboards.render import legend, render
+from otelkv.dashboards import build
+from tools import grafana_expand as expand
+from tools.dashboard_picture import legend, render
 
 pytest.importorskip("matplotlib")
 

@@ -10,9 +10,11 @@ import pytest
 
 from otelkv import names
 from otelkv.analysis.diagnose import Context, diagnose
-from otelkv.analysis.model import SOURCE_AGENT, SOURCE_ENGINE, SOURCE_SIDECAR, Turn, build_turn, build_turns
-from otelkv.sidecar.otlp import SpanRecord
-from otelkv.store.rows import attr_map
+from otelkv.analysis.linker import load_turns
+from otelkv.analysis.model import SOURCE_AGENT, SOURCE_ENGINE, SOURCE_SIDECAR, Turn, build_turn
+from otelkv.analysis.sources import InMemorySource
+from otelkv.analysis.turn_json import diagnosis_object, turn_object
+from otelkv.spans import SpanRecord, attr_map
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -325,7 +327,7 @@ def test_turn_model_reads_every_leg(form: Any) -> None:
     assert turn.phases.tool_wait_s == pytest.approx(2.0)
     assert turn.decoder_ttl_s() == 12.0
     assert ids(turn) == [names.DIAG_TOOL_WAIT_DOMINATES]  # nothing wrong in the fleet
-    assert turn.as_dict()["prefill"]["tokens"]["pulled"] == 256
+    assert turn_object(turn)["prefill"]["tokens"]["pulled"] == 256
 
 
 @FORMS
@@ -396,9 +398,10 @@ def test_fallbacks_agent_span_and_engine_only() -> None:
     assert build_turn([SpanRecord("a" * 32, "1", "", "other", "Internal", 0, 1, {}, {})]) is None
 
 
-def test_build_turns_links_by_previous_trace_id() -> None:
+def test_the_linker_links_by_previous_trace_id() -> None:
     prev, cur = pair(retention={names.RETENTION_OUTCOME: names.RETENTION_EXPIRED})
-    turns = build_turns(prev + cur)
+    source = InMemorySource(prev + cur)
+    turns = load_turns(source, source.turn_spans(limit=None, slowest_first=False))
     assert [t.index for t in turns] == [0, 1]
     assert turns[1].previous is not None and turns[1].previous.trace_id == turns[0].trace_id
 
@@ -734,5 +737,5 @@ def test_ranking_by_cost_and_json() -> None:
     assert [d.id for d in found] == [names.DIAG_TOOL_WAIT_DOMINATES, names.DIAG_TTL_LAPSED]
     assert [d.cost_s for d in found] == sorted((d.cost_s for d in found), reverse=True)
     assert found[0].id == names.DIAG_TOOL_WAIT_DOMINATES
-    as_dict = found[1].as_dict()
-    assert set(as_dict) == {"id", "title", "summary", "evidence", "fix", "cost_s"}
+    as_dict = diagnosis_object(found[1])
+    assert set(as_dict) == {"id", "title", "failure", "summary", "evidence", "fix", "cost_s"}

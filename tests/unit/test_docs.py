@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from otelkv import names
-from otelkv.engine.prom import METRICS
+from otelkv.analysis.diagnose import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
 TELEMETRY = (ROOT / "docs" / "telemetry.md").read_text()
@@ -28,9 +28,12 @@ def test_every_attribute_key_is_documented(key: str) -> None:
     assert f"`{key}`" in TELEMETRY
 
 
+METRICS = {m.name: m for m in names.ENGINE_METRICS}
+
+
 @pytest.mark.parametrize("metric", sorted(METRICS))
 def test_every_metric_is_documented_in_both_places(metric: str) -> None:
-    kind = METRICS[metric][0]
+    kind = METRICS[metric].kind
     exposed = metric if kind != "counter" else f"{metric}_total"
     assert f"`{exposed}`" in TELEMETRY
     assert exposed in README
@@ -50,3 +53,11 @@ def test_readme_starts_with_the_two_commands() -> None:
     assert [line.split()[0] for line in block] == ["./scripts/demo.sh", "./scripts/test.sh"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "scripts/test.sh" in ci
+
+
+def test_diagnoses_doc_lists_exactly_the_registered_ids_in_catalogue_order() -> None:
+    doc = (ROOT / "docs" / "diagnoses.md").read_text()
+    documented = [line[3:].strip() for line in doc.splitlines() if line.startswith("## ")]
+    assert documented == list(REGISTRY)
+    declared = {v for k, v in vars(names).items() if k.startswith("DIAG_")}
+    assert declared == set(REGISTRY)

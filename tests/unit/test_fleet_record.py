@@ -88,7 +88,7 @@ def test_record_runs_scenarios_in_order_then_waits_flushes_and_writes_the_manife
     assert (tmp_path / "run" / names.RUN_MANIFEST_FILE).exists()
     assert manifest["settings"] == {
         "bidirectional_kv_xfer": True,
-        "decoder_kv_blocks_ttl": 12.0,
+        "decoder_kv_blocks_ttl_s": 12.0,
         "kv_recompute_threshold": 32,
         "router_handle_ttl_s": 6.0,
         "router_decode_streamed": False,

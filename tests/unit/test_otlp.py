@@ -19,7 +19,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from otelkv.sidecar.otlp import OtlpDecodeError, SpanRecord, decode_traces
+from otelkv.sidecar.otlp import OtlpDecodeError, decode_traces
+from otelkv.spans import SpanRecord
 
 PROTO = "application/x-protobuf"
 

@@ -95,15 +95,15 @@ def test_every_metric_name_comes_from_names() -> None:
 
 
 def test_metric_kinds_and_labels() -> None:
-    kinds = {name: kind for name, (kind, _doc, _labels) in prom.METRICS.items()}
+    kinds = {name: spec.kind for name, spec in prom.METRICS.items()}
     assert kinds[names.METRIC_TRANSFER_SECONDS] == "histogram"
     assert {n for n, k in kinds.items() if k == "gauge"} == {
         names.METRIC_RETAINED_BLOCKS,
         names.METRIC_RETAINED_BYTES,
     }
-    assert prom.METRICS[names.METRIC_PULL_DECISIONS][2] == ("decision", "reason")
-    assert prom.METRICS[names.METRIC_TRANSFERS][2] == ("direction", "backend", "outcome")
-    assert prom.METRICS[names.METRIC_INSTRUMENTATION_ERRORS][2] == ("site",)
+    assert prom.METRICS[names.METRIC_PULL_DECISIONS].labels == ("decision", "reason")
+    assert prom.METRICS[names.METRIC_TRANSFERS].labels == ("direction", "backend", "outcome")
+    assert prom.METRICS[names.METRIC_INSTRUMENTATION_ERRORS].labels == ("site",)
 
 
 def test_observe_records_exact_values(

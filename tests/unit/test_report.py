@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from otelkv import names
-from otelkv.analysis.report import InMemorySource, NotFound, StoreSource, conversation, parse_ref, slow, why
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.analysis.report import NotFound, conversation, parse_ref, slow, why
+from otelkv.analysis.sources import InMemorySource, StoreSource
+from otelkv.spans import SpanRecord
 from tests.unit.test_diagnose import T0, S, stored, turn_trace
 
 FORMS = pytest.mark.parametrize("form", [lambda s: s, stored], ids=["native", "stored"])
@@ -83,8 +84,8 @@ def test_slow_lists_slowest_with_top_diagnosis(form: Any) -> None:
     assert len(rows) == 3
     assert rows[0]["conversation_id"] == "conv-lapse" and rows[0]["turn_index"] == 1
     assert rows[0]["total_s"] == pytest.approx(21.0)
-    assert rows[0]["phases"]["tool_wait"] == pytest.approx(20.0)
-    assert rows[0]["top_diagnosis"]["id"] == names.DIAG_TOOL_WAIT_DOMINATES
+    assert rows[0]["phases"]["tool_wait_s"] == pytest.approx(20.0)
+    assert rows[0]["diagnoses"][0]["id"] == names.DIAG_TOOL_WAIT_DOMINATES
     assert [r["total_s"] for r in rows] == sorted((r["total_s"] for r in rows), reverse=True)
     assert set(rows[0]) >= {
         "trace_id",
@@ -95,7 +96,7 @@ def test_slow_lists_slowest_with_top_diagnosis(form: Any) -> None:
         "phases",
         "ttft_s",
         "status",
-        "top_diagnosis",
+        "diagnoses",
     }
     assert source.calls == ["turn_spans", "trace_spans", "tool_spans"]
 
@@ -113,17 +114,19 @@ def test_conversation_waterfall(form: Any) -> None:
     json.dumps(data)
     rows = data["turns"]
     assert [r["turn_index"] for r in rows] == [0, 1, 2]
-    assert rows[0]["retention"] == {
+    assert rows[0]["decode"]["retention"] == {
+        "kind": "decode_ttl",
         "outcome": "expired",
         "held_s": 12.0,
         "ttl_s": 12.0,
         "blocks": 10,
         "bytes": 10 << 16,
     }
-    assert names.DIAG_TTL_LAPSED in rows[1]["diagnoses"]
-    assert rows[1]["pull"]["reason"] == names.REASON_NO_DECODE_HANDLE
-    assert rows[2]["tokens"]["pulled"] == 256 and rows[2]["pull"]["bytes"] == 1 << 20
-    assert rows[2]["pull"]["decision"] == "pull" and rows[2]["pull"]["threshold"] == 64
+    assert names.DIAG_TTL_LAPSED in [d["id"] for d in rows[1]["diagnoses"]]
+    assert rows[1]["prefill"]["reason"] == names.REASON_NO_DECODE_HANDLE
+    pull = rows[2]["prefill"]
+    assert pull["tokens"]["pulled"] == 256 and pull["transfer"]["bytes"] == 1 << 20
+    assert pull["decision"] == "pull" and pull["kv_recompute_threshold"] == 64
     assert rows[0]["offset_s"] == 0.0 and rows[1]["offset_s"] == pytest.approx(1.0)
     assert data["turn_count"] == 3
 
@@ -139,15 +142,16 @@ def test_why_by_trace_id_and_by_index(form: Any) -> None:
     source = InMemorySource(spans)
     by_index = why(source, "conv-lapse#1")
     json.dumps(by_index)
-    by_trace = why(source, by_index["trace_id"].upper())
-    assert by_index["diagnoses"] == by_trace["diagnoses"]
-    found = {d["id"]: d for d in by_index["diagnoses"]}
+    turn = by_index["turn"]
+    by_trace = why(source, turn["trace_id"].upper())
+    assert turn == by_trace["turn"]
+    found = {d["id"]: d for d in turn["diagnoses"]}
     ttl = found[names.DIAG_TTL_LAPSED]
     assert ttl["evidence"]["gap_s"] == 20.0 and ttl["evidence"]["previous_retention_outcome"] == "expired"
     assert ttl["fix"] and ttl["summary"]
-    assert by_index["phases"]["tool_wait"] == pytest.approx(20.0)
-    assert by_index["turn"]["router"]["handle"] == names.ROUTER_HANDLE_STALE
-    assert by_index["turn_index"] == 1
+    assert turn["phases"]["tool_wait_s"] == pytest.approx(20.0)
+    assert turn["router"]["handle"] == names.ROUTER_HANDLE_STALE
+    assert turn["turn_index"] == 1
 
 
 def test_why_recomputes_gap_split_with_tool_spans() -> None:
@@ -165,10 +169,11 @@ def test_why_recomputes_gap_split_with_tool_spans() -> None:
         {},
     )
     data = why(InMemorySource([*spans, tool]), "conv-lapse#1")
-    assert data["phases"]["tool_wait"] == pytest.approx(5.0)
-    assert data["phases"]["app_work"] == pytest.approx(15.0)
-    assert data["turn"]["gap_source"] == names.GAP_SOURCE_AGENT_SPANS
-    assert data["diagnoses"][0]["id"] == names.DIAG_APP_WORK_DOMINATES
+    turn = data["turn"]
+    assert turn["phases"]["tool_wait_s"] == pytest.approx(5.0)
+    assert turn["phases"]["app_work_s"] == pytest.approx(15.0)
+    assert turn["gap_source"] == names.GAP_SOURCE_AGENT_SPANS
+    assert turn["diagnoses"][0]["id"] == names.DIAG_APP_WORK_DOMINATES
 
 
 def test_why_not_found_and_bad_refs() -> None:

@@ -21,6 +21,7 @@ from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord
 from otelkv.engine.scheduler_observer import SchedulerObserver, base_request_id, engine_resource_attributes
 from otelkv.engine.span_export import InProcessWriter
 from tests.unit import fakes
+from tests.unit.prom_exposition import exposed
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -114,14 +115,15 @@ def test_reverse_pull_is_recorded_on_request_and_transfer_spans() -> None:
 
     payload = observer.take_payload()
     assert payload is not None
-    c = payload["c"]
-    assert c["otelkv_pull_decisions|pull|pulled"] == 1
-    assert c["otelkv_kv_transfer_bytes|D->P|UCX"] == 262144
-    assert c["otelkv_prefill_tokens|prefill|pulled"] == 98
-    assert c["otelkv_prefill_tokens|prefill|computed"] == 20
-    assert payload["h"]["otelkv_kv_transfer_seconds|D->P|UCX"] == [0.012]
+    m = exposed(payload)
+    assert m.value("otelkv_pull_decisions_total", decision="pull", reason="pulled") == 1
+    assert m.value("otelkv_kv_transfer_bytes_total", direction="D->P", backend="UCX") == 262144
+    assert m.value("otelkv_prefill_tokens_total", role="prefill", source="pulled") == 98
+    assert m.value("otelkv_prefill_tokens_total", role="prefill", source="computed") == 20
+    assert m.value("otelkv_kv_transfer_seconds_count", direction="D->P", backend="UCX") == 1
+    assert m.value("otelkv_kv_transfer_seconds_sum", direction="D->P", backend="UCX") == 0.012
     # The prefill node keeps its prompt for the decode node: a lease retention is open.
-    assert payload["g"]["otelkv_kv_retained_blocks|prefill_lease"] == 5
+    assert m.value("otelkv_kv_retained_blocks", kind="prefill_lease") == 5
     assert observer.take_payload() is None
 
 
@@ -149,8 +151,9 @@ def test_declined_expired_read_fails_the_request_with_the_reason() -> None:
     assert spans["kv_transfer D->P"].attributes[names.TRANSFER_OUTCOME] == names.TRANSFER_DECLINED_EXPIRED
     payload = observer.take_payload()
     assert payload is not None
-    assert payload["c"]["otelkv_pull_decisions|pull|declined_expired"] == 1
-    assert payload["c"]["otelkv_requests|prefill|failed_kv_load"] == 1
+    m = exposed(payload)
+    assert m.value("otelkv_pull_decisions_total", decision="pull", reason="declined_expired") == 1
+    assert m.value("otelkv_requests_total", role="prefill", outcome="failed_kv_load") == 1
 
 
 def test_a_request_waiting_too_long_for_remote_kv_is_reported_stuck_once() -> None:
@@ -202,9 +205,10 @@ def test_decode_retention_ends_consumed_or_expired() -> None:
     assert all(abs(s.attributes[names.RETENTION_TTL_SECONDS] - 12.0) < 0.1 for s in retentions)
     payload = observer.take_payload()
     assert payload is not None
-    assert payload["c"]["otelkv_kv_retentions|decode_ttl|consumed"] == 1
-    assert payload["c"]["otelkv_kv_retentions|decode_ttl|expired"] == 1
-    assert payload["g"]["otelkv_kv_retained_blocks|decode_ttl"] == 0
+    m = exposed(payload)
+    assert m.value("otelkv_kv_retentions_total", kind="decode_ttl", outcome="consumed") == 1
+    assert m.value("otelkv_kv_retentions_total", kind="decode_ttl", outcome="expired") == 1
+    assert m.value("otelkv_kv_retained_blocks", kind="decode_ttl") == 0
     decode_spans = [s for s in exporter.get_finished_spans() if s.name == "kv_request decode"]
     assert {s.attributes[names.KV_PARAMS_RETURNED] for s in decode_spans} == {True}
 
@@ -252,8 +256,9 @@ def test_untraced_requests_still_count() -> None:
     assert names.PULL_DECISION not in span.attributes
     payload = observer.take_payload()
     assert payload is not None
-    assert payload["c"]["otelkv_prefill_tokens|unified|local_cache"] == 64
-    assert "otelkv_pull_decisions" not in " ".join(payload["c"])
+    m = exposed(payload)
+    assert m.value("otelkv_prefill_tokens_total", role="unified", source="local_cache") == 64
+    assert "otelkv_pull_decisions_total" not in m.names()
 
 
 def test_a_mismatch_with_the_connector_is_counted_not_published() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from otelkv import names
 from otelkv.analysis.phases import Phases
 from otelkv.sidecar.metrics import MAX_MODELS, SidecarMetrics
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 
 
 def _span(name: str, **attrs: Any) -> SpanRecord:

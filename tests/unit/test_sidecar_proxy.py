@@ -26,7 +26,7 @@ from yarl import URL
 
 from otelkv import names
 from otelkv.sidecar.app import Sidecar, SidecarConfig
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 
 TIMEOUT = 5.0
 

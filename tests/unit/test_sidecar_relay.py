@@ -766,7 +766,7 @@ def test_expect_100_continue_behind_a_pipelined_response_waits_its_turn(run: Run
                 b"POST /next HTTP/1.1\r\nHost: c\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
             )
             side = await env.relay_side()
-            await until(lambda: side._req.url == b"/next")  # the relay has read that head
+            await until(lambda: side.parsed_url == b"/next")  # the relay has read that head
             gate.set()
             assert await client.exactly(5 + 25) == b"56789HTTP/1.1 100 Continue\r\n\r\n"
             await client.send(b"hello")
@@ -965,7 +965,7 @@ def test_client_disconnecting_mid_stream_drops_the_upstream_connection(run: Run)
             await env.upstream.connections[0].peer_closed.wait()
             seen = await observer.finished(0)
             assert [error for _, error in seen.finishes] == ["client disconnected"]
-            assert not env.relay.pool._idle
+            assert env.relay.pool.idle_count == 0
 
     run(scenario)
 
@@ -1291,7 +1291,7 @@ def test_upstream_closing_an_idle_connection_is_noticed(run: Run) -> None:
             client = await env.client()
             await client.send(get("/one"))
             assert await client.exactly(len(ok(b"you asked /one"))) == ok(b"you asked /one")
-            await until(lambda: len(env.upstream.connections) == 1 and not env.relay.pool._idle)
+            await until(lambda: len(env.upstream.connections) == 1 and env.relay.pool.idle_count == 0)
             await client.send(get("/two"))
             assert await client.exactly(len(ok(b"you asked /two"))) == ok(b"you asked /two")
             assert len(env.upstream.connections) == 2
@@ -1321,6 +1321,6 @@ def test_unparsable_upstream_response_closes_the_client(run: Run) -> None:
             assert status == 0 and error is not None and "unparsable upstream response" in error
             assert counters == {"upstream_errors": 1}
             await env.upstream.connections[0].peer_closed.wait()
-            assert not env.relay.pool._idle
+            assert env.relay.pool.idle_count == 0
 
     run(scenario)

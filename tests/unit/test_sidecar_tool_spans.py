@@ -8,8 +8,8 @@ from typing import Any
 
 from otelkv import names
 from otelkv.sidecar.identity import IdPolicy, hashed_id
-from otelkv.sidecar.otlp import SpanRecord
-from otelkv.sidecar.tool_spans import ToolSpanIndex, is_tool_span
+from otelkv.sidecar.tool_spans import ToolSpanIndex
+from otelkv.spans import SpanRecord, is_tool_span
 
 
 def _span(name: str, start: int, end: int, **attrs: Any) -> SpanRecord:

@@ -17,11 +17,12 @@ from otelkv.sidecar import channel
 from otelkv.sidecar.forward import readable_span
 from otelkv.sidecar.identity import IdPolicy, hashed_id
 from otelkv.sidecar.metrics import SidecarMetrics
-from otelkv.sidecar.otlp import SpanRecord, decode_protobuf
+from otelkv.sidecar.otlp import decode_protobuf
 from otelkv.sidecar.recorder import TurnRecorder
 from otelkv.sidecar.relay import Request
 from otelkv.sidecar.tool_spans import ToolSpanIndex
 from otelkv.sidecar.turn_watch import TurnRecord, TurnWatcher, parse_traceparent
+from otelkv.spans import SpanRecord
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store import schema
 from otelkv.store.arrow_batch import ARROW_SCHEMA, spans_to_arrow
 from otelkv.store.rows import span_to_row

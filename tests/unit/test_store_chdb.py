@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 
 from otelkv import names
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord, attr_bool, attr_float, attr_int
 from otelkv.store import StoreError, open_store, queries
 from otelkv.store.chdb_store import ChdbStore
-from otelkv.store.rows import attr_bool, attr_float, attr_int
 
 NOW = time.time_ns() - 3_600 * 10**9
 SEC = 10**9
@@ -61,7 +60,11 @@ def span(
 def turn(
     conv: str, index: int, start: int, dur_s: float, total_s: float | None, trace: str, **kw
 ) -> SpanRecord:
-    attrs = {names.GEN_AI_CONVERSATION_ID: conv, names.TURN_INDEX: index}
+    attrs = {
+        names.GEN_AI_OPERATION_NAME: names.OPERATION_CHAT,
+        names.GEN_AI_CONVERSATION_ID: conv,
+        names.TURN_INDEX: index,
+    }
     if total_s is not None:
         attrs[names.TURN_TOTAL_SECONDS] = total_s
     return span(trace, f"{trace}{index}", "chat tiny", start, dur_s, attrs, **kw)

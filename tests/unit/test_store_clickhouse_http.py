@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store import StoreError, open_store, queries
 from otelkv.store.clickhouse_http import ClickHouseHttpStore
 

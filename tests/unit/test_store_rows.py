@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
+from otelkv.spans.attrs import attr_bool, attr_float, attr_int, attr_str, attr_value, format_float
 from otelkv.store import schema
 from otelkv.store.base import param_text
-from otelkv.store.rows import (
-    attr_bool,
-    attr_float,
-    attr_int,
-    attr_str,
-    attr_value,
-    format_float,
-    row_to_span,
-    span_to_row,
-)
+from otelkv.store.rows import row_to_span, span_to_row
 
 
 @pytest.mark.parametrize(

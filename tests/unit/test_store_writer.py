@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from otelkv.store.writer import DROP_QUEUE_FULL, DROP_STORE_ERROR, BatchWriter
 
 

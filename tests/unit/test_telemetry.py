@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
+import psutil
 import pytest
 
 from otelkv import names
 from otelkv.engine import telemetry
-from otelkv.engine.span_export import NullWriter, ProcessWriter, SpanRecord, build_spans
+from otelkv.engine.span_export import FinishedSpan, NullWriter, ProcessWriter, build_spans
 from otelkv.fleet.span_sink import SpanSink
 
 TRACE = int("0af7651916cd43dd8448eb211c80319c", 16)
 PARENT = int("b7ad6b7169203331", 16)
 
 
-def record(name: str = "kv_request prefill", *, span_id: int = 0x1111, flags: int = 1) -> SpanRecord:
-    return SpanRecord(
+def record(name: str = "kv_request prefill", *, span_id: int = 0x1111, flags: int = 1) -> FinishedSpan:
+    return FinishedSpan(
         name, TRACE, span_id, PARENT, True, flags, 1_000, 2_000, {names.ROLE: "prefill", "n": 3}
     )
 
@@ -127,8 +130,8 @@ def test_a_dead_exporter_process_costs_drops_not_blocking(monkeypatch: pytest.Mo
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     writer = ProcessWriter({}, capacity=100)
-    writer._proc.kill()
-    writer._proc.wait()
+    os.kill(writer.pid, signal.SIGKILL)
+    psutil.Process(writer.pid).wait(timeout=10)
     started = time.monotonic()
     for i in range(1000):
         writer.emit(record(span_id=i + 1))

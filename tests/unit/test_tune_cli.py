@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from otelkv.analysis.report import InMemorySource
+from otelkv.analysis.sources import InMemorySource
 from otelkv.analysis.tune.window import tune
 from otelkv.cli.main import main
 from otelkv.cli.tune_cmd import parse_size, show_tune

@@ -111,7 +111,7 @@ def test_handoffs_from_turns() -> None:
         9.5,
         9.8,
         prompt_tokens=400,
-        local_hit=64,
+        local_cache=64,
         reason=names.REASON_NO_DECODE_HANDLE,
         remote_reusable=0,
     )
@@ -135,7 +135,7 @@ def test_reusable_tokens_prefers_the_recorded_count() -> None:
     p = Leg(
         role=names.ROLE_PREFILL,
         prompt_tokens=400,
-        local_hit=0,
+        local_cache=0,
         remote_reusable=120,
         reason=names.REASON_BELOW_THRESHOLD,
     )

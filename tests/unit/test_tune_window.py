@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from otelkv import names
-from otelkv.analysis.report import InMemorySource
+from otelkv.analysis.sources import InMemorySource
 from otelkv.analysis.tune.window import TuneOptions, options_from_dict, quantile, tune
-from otelkv.sidecar.otlp import SpanRecord
+from otelkv.spans import SpanRecord
 from tests.unit.test_diagnose import T0, S, stored, turn_trace
 
 CONFIG = {names.DECODER_KV_BLOCKS_TTL: 30.0}

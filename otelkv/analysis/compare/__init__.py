@@ -9,6 +9,7 @@ One job per module:
 * :mod:`.aggregate` - turns matched across runs by (conversation id, turn index), and the
   numbers of the report: TTFT quantiles by turn index and by prompt length, prefill split,
   pulls by reason, retained memory, regressed turns, the settings that differ.
-* :mod:`.text` - the terminal summary.
-* :mod:`.svg` and :mod:`.html` - one self-contained HTML file with hand-written SVG charts.
+
+The terminal summary and the HTML report that show these numbers are the CLI's
+(:mod:`otelkv.cli.compare_report`).
 """

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otelkv import names
+from otelkv.analysis import turn_json
 from otelkv.analysis.compare.rows import (
     OUTCOME_ERROR,
     SETTING_KEYS,
@@ -178,24 +179,17 @@ def match(a: Sequence[TurnRow], b: Sequence[TurnRow]) -> tuple[list[tuple[TurnRo
 
 
 def _pair(a: TurnRow, b: TurnRow, ratio: float | None, kind: str) -> dict[str, Any]:
+    """One matched pair: what differs, and each side as the turn object's fields."""
     return {
-        "turn": b.ref,
+        "ref": b.ref,
         "conversation_id": b.conversation_id,
         "turn_index": b.index,
         "kind": kind,
-        "a_ttft_s": _r(a.ttft_s),
-        "b_ttft_s": _r(b.ttft_s),
         "ratio": _r(ratio, 3),
         "delta_s": _r(b.ttft_s - a.ttft_s) if a.ttft_s is not None and b.ttft_s is not None else None,
-        "a_outcome": a.outcome,
-        "b_outcome": b.outcome,
-        "a_pull_reason": a.pull_reason,
-        "b_pull_reason": b.pull_reason,
         "prompt_tokens": b.prompt_tokens,
-        "a_trace_id": a.trace_id,
-        "b_trace_id": b.trace_id,
-        "a_diagnoses": [d["id"] for d in a.diagnoses],
-        "b_diagnoses": list(b.diagnoses),
+        "a": a.as_turn(),
+        "b": b.as_turn(),
     }
 
 
@@ -210,14 +204,12 @@ def regressions(pairs: Sequence[tuple[TurnRow, TurnRow]], options: CompareOption
             continue
         ratio = b.ttft_s / a.ttft_s if a.ttft_s > 0 else None
         slower = b.ttft_s > a.ttft_s * options.factor and b.ttft_s - a.ttft_s >= options.min_delta_s
-        points.append(
-            {"turn": b.ref, "a_ttft_s": _r(a.ttft_s), "b_ttft_s": _r(b.ttft_s), "regressed": slower}
-        )
+        points.append({"ref": b.ref, "a_ttft_s": _r(a.ttft_s), "b_ttft_s": _r(b.ttft_s), "regressed": slower})
         if slower:
             found.append(_pair(a, b, ratio, "slower"))
         elif a.ttft_s > b.ttft_s * options.factor and a.ttft_s - b.ttft_s >= options.min_delta_s:
             faster += 1
-    found.sort(key=lambda p: (p["kind"] != "failed", -(p["delta_s"] or 0.0), p["turn"]))
+    found.sort(key=lambda p: (p["kind"] != "failed", -(p["delta_s"] or 0.0), p["ref"]))
     return {
         "factor": options.factor,
         "min_delta_s": options.min_delta_s,
@@ -284,10 +276,12 @@ def workload_notes(a: Run, b: Run, counts: dict[str, int]) -> list[str]:
 
 
 def compare_runs(a: Run, b: Run, options: CompareOptions | None = None) -> dict[str, Any]:
-    """The whole comparison as a JSON-able dict (what ``--json`` prints and the renderers read)."""
+    """The whole comparison as a JSON-able document (what ``--json`` prints and the renderers read)."""
     options = options or CompareOptions()
     pairs, counts = match(a.rows, b.rows)
     return {
+        "schema_version": turn_json.SCHEMA_VERSION,
+        "kind": "compare",
         "a": a.summary(),
         "b": b.summary(),
         "settings": settings_rows(a, b),

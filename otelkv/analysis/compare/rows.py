@@ -11,27 +11,29 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from otelkv import names
+from otelkv.analysis import turn_json
 from otelkv.analysis.diagnose import diagnose, pull_seconds
+from otelkv.analysis.linker import window_turns
 from otelkv.analysis.model import Leg, Turn
-from otelkv.analysis.report import SpanSource, diagnosis_context, window_turns
+from otelkv.analysis.report import diagnosis_context
+from otelkv.analysis.sources import SpanSource
 from otelkv.analysis.tune.config import in_force
 
-OUTCOME_OK = "ok"
-OUTCOME_INTERRUPTED = "interrupted"
-"""The client hung up mid-response (its first token, hence its TTFT, still counts)."""
-OUTCOME_ERROR = "error"
+OUTCOME_OK = turn_json.OUTCOME_OK
+OUTCOME_INTERRUPTED = turn_json.OUTCOME_INTERRUPTED
+OUTCOME_ERROR = turn_json.OUTCOME_ERROR
 
 MAX_TURNS = 200_000
 """Most turns read from one run (the most recent ones)."""
 
 SETTING_KEYS = (
     "bidirectional_kv_xfer",
-    "decoder_kv_blocks_ttl",
+    "decoder_kv_blocks_ttl_s",
     "kv_recompute_threshold",
     "router_handle_ttl_s",
     "router_decode_streamed",
@@ -72,6 +74,9 @@ class TurnRow:
     status_message: str = ""
     held: tuple[Held, ...] = ()
     diagnoses: tuple[dict[str, Any], ...] = field(default=())
+    """As :func:`otelkv.analysis.turn_json.diagnosis_object` writes them."""
+    prefill_prompt_tokens: int | None = None
+    """The prefill node's prompt tokens (None: no prefill span)."""
 
     @property
     def key(self) -> tuple[str, int | None]:
@@ -85,8 +90,33 @@ class TurnRow:
     def counts_for_ttft(self) -> bool:
         return self.ttft_s is not None and self.outcome != OUTCOME_ERROR
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_turn(self) -> dict[str, Any]:
+        """This row as the fields of the turn object it was taken from (same names)."""
+        prefill = None
+        if self.prefill_prompt_tokens is not None:
+            prefill = {
+                "tokens": {
+                    "prompt": self.prefill_prompt_tokens,
+                    "computed": self.computed_tokens,
+                    "pulled": self.pulled_tokens,
+                },
+                "reason": self.pull_reason,
+                "compute_s": turn_json.r6(self.prefill_compute_s),
+                "pull_s": turn_json.r6(self.prefill_transfer_s),
+            }
+        return {
+            "trace_id": self.trace_id,
+            "conversation_id": self.conversation_id,
+            "turn_index": self.index,
+            "start_ns": self.start_ns,
+            "start": turn_json.iso(self.start_ns),
+            "outcome": self.outcome,
+            "status_message": self.status_message,
+            "total_s": turn_json.r6(self.total_s),
+            "ttft_s": turn_json.r6(self.ttft_s),
+            "prefill": prefill,
+            "diagnoses": list(self.diagnoses),
+        }
 
 
 @dataclass
@@ -130,12 +160,6 @@ def read_manifest(store: Path | str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _outcome(turn: Turn) -> str:
-    if turn.status == "ok":
-        return OUTCOME_OK
-    return OUTCOME_INTERRUPTED if turn.status_message == names.CLIENT_DISCONNECTED else OUTCOME_ERROR
-
-
 def _transfer_s(leg: Leg) -> float:
     """Seconds the prefill request spent on a reverse pull (0 when it pulled nothing)."""
     if leg.transfer is not None and leg.transfer.direction == names.DIRECTION_D_TO_P:
@@ -161,7 +185,7 @@ def turn_row(turn: Turn, diagnoses: Sequence[Any] = ()) -> TurnRow:
         index=turn.index,
         trace_id=turn.trace_id,
         start_ns=turn.start_ns,
-        outcome=_outcome(turn),
+        outcome=turn_json.turn_outcome(turn),
         ttft_s=turn.ttft_s,
         prompt_tokens=prompt,
         total_s=turn.total_s,
@@ -172,7 +196,8 @@ def turn_row(turn: Turn, diagnoses: Sequence[Any] = ()) -> TurnRow:
         pull_reason=leg.reason if leg else None,
         status_message=turn.status_message,
         held=_held(turn),
-        diagnoses=tuple(d.brief() for d in diagnoses),
+        diagnoses=tuple(turn_json.diagnosis_object(d) for d in diagnoses),
+        prefill_prompt_tokens=leg.prompt_tokens if leg else None,
     )
 
 
@@ -191,7 +216,7 @@ def spans_settings(turns: Sequence[Turn]) -> dict[str, Any]:
     routers = [t.router for t in turns if t.router is not None]
     return {
         "bidirectional_kv_xfer": _agreed([c.bidirectional for c in configs]),
-        "decoder_kv_blocks_ttl": cfg.ttl_s,
+        "decoder_kv_blocks_ttl_s": cfg.ttl_s,
         "kv_recompute_threshold": cfg.threshold,
         "router_handle_ttl_s": cfg.router_ttl_s,
         "router_decode_streamed": _agreed([r.decode_streamed for r in routers]),

@@ -72,7 +72,7 @@ def reusable_tokens(prefill: Leg, producer: Leg | None) -> int:
     if prefill.remote_reusable or prefill.reason == names.REASON_NOTHING_BEYOND_LOCAL_HIT:
         return prefill.remote_reusable or 0
     if producer is not None:
-        return max(min(held_tokens(producer), prefill.prompt_tokens) - (prefill.local_hit or 0), 0)
+        return max(min(held_tokens(producer), prefill.prompt_tokens) - (prefill.local_cache or 0), 0)
     return prefill.pulled or 0
 
 

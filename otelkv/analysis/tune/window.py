@@ -1,6 +1,6 @@
 """The answer of ``otelkv tune`` for a window: fits, the in-force replay, sweeps, recommendation, flags.
 
-:func:`tune` reads the window from any :class:`~otelkv.analysis.report.SpanSource` (store
+:func:`tune` reads the window from any :class:`~otelkv.analysis.sources.SpanSource` (store
 directory, ClickHouse, sidecar, a span list); :func:`tune_turns` does the rest on modelled
 turns and is pure. The result is a JSON-able dict the CLI renders (and ``--json`` prints).
 """
@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from otelkv.analysis import turn_json
 from otelkv.analysis.diagnose import suggest_ttl
 from otelkv.analysis.model import Turn
 from otelkv.analysis.tune.config import InForce, in_force
@@ -108,18 +109,6 @@ def options_from_dict(raw: dict[str, Any]) -> TuneOptions:
     return options
 
 
-def options_as_dict(options: TuneOptions) -> dict[str, Any]:
-    """The inverse of :func:`options_from_dict` (what the CLI sends a sidecar)."""
-    return {
-        "ttls_s": list(options.ttls_s),
-        "thresholds": list(options.thresholds),
-        "router_ttl_s": options.router_ttl_s,
-        "memory_budget_bytes": options.memory_budget_bytes,
-        "target_share": options.target_share,
-        "max_turns": options.max_turns,
-    }
-
-
 def quantile(values: Sequence[float], q: float) -> float:
     """Nearest-rank quantile (a value that occurred, not an interpolation)."""
     ordered = sorted(values)
@@ -201,6 +190,8 @@ def tune_turns(turns: Sequence[Turn], options: TuneOptions | None = None) -> dic
     threshold_rows = [grid[(chosen_ttl, k)] for k in thresholds] if chosen_ttl in ttls else []
     be = costs.break_even_tokens()
     return {
+        "schema_version": turn_json.SCHEMA_VERSION,
+        "kind": "tune",
         "window": {
             "turns": len(turns),
             "handoffs": len(hs),
@@ -239,10 +230,10 @@ def tune(
     source: Any, *, since_ns: int | None, until_ns: int | None, options: TuneOptions | None = None
 ) -> dict[str, Any]:
     """``otelkv tune`` over a window of a span source."""
-    from otelkv.analysis.report import window_turns
+    from otelkv.analysis.linker import window_turns
 
     options = options or TuneOptions()
     turns, total = window_turns(source, since_ns=since_ns, until_ns=until_ns, max_turns=options.max_turns)
     data = tune_turns(turns, options)
-    data["window"].update(since_ns=since_ns, until_ns=until_ns, turns_in_window=total)
+    data["window"].update(**turn_json.window(since_ns, until_ns), turns_in_window=total)
     return data

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from otelkv.dashboards import expand
+from tools import grafana_expand as expand
 
 PromRange = Callable[[str], list[dict[str, Any]]]
 """An expanded PromQL expression -> Prometheus ``query_range`` result (``matrix`` series)."""

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from otelkv.analysis.compare import svg
-from otelkv.analysis.compare.text import ratio
 from otelkv.cli import render
+from otelkv.cli.compare_report import svg
+from otelkv.cli.compare_report.text import pull_reason, ratio
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1320px; color: #222; }
@@ -178,20 +178,20 @@ def _retained_section(retained: dict[str, Any]) -> str:
 
 
 def _regression_section(reg: dict[str, Any]) -> str:
-    points = [(p["turn"], p["a_ttft_s"], p["b_ttft_s"], p["regressed"]) for p in reg["points"]]
+    points = [(p["ref"], p["a_ttft_s"], p["b_ttft_s"], p["regressed"]) for p in reg["points"]]
     chart = svg.scatter(
         f"Matched turns: TTFT in A and B (dashed: {reg['factor']:g}x A)", points, factor=reg["factor"]
     )
     rows = [
         [
-            t["turn"],
-            render.seconds(t["a_ttft_s"]),
-            render.seconds(t["b_ttft_s"]),
+            t["ref"],
+            render.seconds(t["a"]["ttft_s"]),
+            render.seconds(t["b"]["ttft_s"]),
             f"{t['ratio']:.2f}x" if t["ratio"] is not None else t["kind"],
-            t["a_pull_reason"],
-            t["b_pull_reason"],
-            "; ".join(f"{d['id']}: {d['summary']}" for d in t["b_diagnoses"]) or "-",
-            t["b_trace_id"],
+            pull_reason(t["a"]),
+            pull_reason(t["b"]),
+            "; ".join(f"{d['id']}: {d['summary']}" for d in t["b"]["diagnoses"]) or "-",
+            t["b"]["trace_id"],
         ]
         for t in reg["turns"]
     ]

@@ -1,7 +1,7 @@
 """Small SVG charts written by hand: grouped bars, stacked bars and a scatter.
 
-Why not matplotlib (which ``otelkv/dashboards/render.py`` uses for the README picture):
-``compare`` needs only the sidecar extra, and matplotlib lives in the dashboards one; a
+Why not matplotlib (which ``tools/dashboard_picture.py`` uses for the README picture):
+``compare`` needs only the sidecar extra, and matplotlib is a developer dependency; a
 report with a few bar charts does not justify it. Hand-written SVG is also deterministic
 (the same comparison writes the same bytes, so tests can read the charts), stays text
 (conversation ids remain selectable and searchable in the page), and weighs a few kB.

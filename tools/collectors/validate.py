@@ -1,6 +1,6 @@
 """Check collector configs without a collector: pipeline rules, keys, value types.
 
-Checked the way otelcol-contrib :data:`~otelkv.collectors.components.COLLECTOR_VERSION`
+Checked the way otelcol-contrib :data:`~tools.collectors.components.COLLECTOR_VERSION`
 would: every pipeline reference is defined and every defined component is used; connectors
 are an exporter in one pipeline and a receiver in another, between signal types they
 support; receivers, processors and exporters handle the pipeline's signal; keys and value
@@ -11,7 +11,7 @@ Plus one house rule: ``memory_limiter`` first in every pipeline fed by a receive
 ``${env:NAME:-default}`` is checked with its default. It finds typos and wiring mistakes;
 it does not prove the collector starts (``otelcol-contrib validate --config`` does)::
 
-    python -m otelkv.collectors.validate collectors/gateway.yaml collectors/agent.yaml
+    python -m tools.collectors.validate collectors/gateway.yaml collectors/agent.yaml
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from otelkv.collectors.components import (
+from tools.collectors.components import (
     COLLECTOR_VERSION,
     CONNECTOR_PAIRS,
     CONNECTORS,
@@ -383,11 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import yaml
     except ImportError:
-        print("otelkv.collectors.validate needs PyYAML: pip install pyyaml", file=sys.stderr)
+        print("tools.collectors.validate needs PyYAML: pip install pyyaml", file=sys.stderr)
         return 2
     paths = list(sys.argv[1:] if argv is None else argv)
     if not paths:
-        print("usage: python -m otelkv.collectors.validate CONFIG.yaml...", file=sys.stderr)
+        print("usage: python -m tools.collectors.validate CONFIG.yaml...", file=sys.stderr)
         return 2
     bad = 0
     for path in paths:

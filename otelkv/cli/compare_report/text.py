@@ -140,6 +140,11 @@ def _retained(retained: dict[str, Any], out: TextIO) -> None:
     out.write("\n")
 
 
+def pull_reason(turn: dict[str, Any]) -> str | None:
+    """The prefill node's pull reason of one side of a pair (None: no prefill span)."""
+    return (turn.get("prefill") or {}).get("reason")
+
+
 def _regressions(reg: dict[str, Any], out: TextIO) -> None:
     out.write(
         f"\nturns slower in B (TTFT > {reg['factor']:g}x A and +{reg['min_delta_s']:g}s) or failed "
@@ -148,14 +153,15 @@ def _regressions(reg: dict[str, Any], out: TextIO) -> None:
     )
     rows = []
     for t in reg["turns"][:REGRESSIONS_SHOWN]:
-        diagnoses = ",".join(d["id"] for d in t["b_diagnoses"]) or "-"
+        a, b = t["a"], t["b"]
+        diagnoses = ",".join(d["id"] for d in b["diagnoses"]) or "-"
         rows.append(
             [
-                t["turn"],
-                _s(t["a_ttft_s"]),
-                _s(t["b_ttft_s"]),
+                t["ref"],
+                _s(a["ttft_s"]),
+                _s(b["ttft_s"]),
                 f"{t['ratio']:.2f}x" if t["ratio"] is not None else t["kind"],
-                f"{t['a_pull_reason'] or '-'} -> {t['b_pull_reason'] or '-'}",
+                f"{pull_reason(a) or '-'} -> {pull_reason(b) or '-'}",
                 diagnoses,
             ]
         )

@@ -1,0 +1,98 @@
+"""The one turn linker: turns modelled from a span source, each linked to its previous turn.
+
+A turn's model needs three kinds of spans: its own trace (turn span, router, engines), its
+previous turn's trace (whose decode retention says whether the KV this turn could read was
+still held), and the agent's tool spans in the gap before it (in the agent's own traces).
+Every verb gets its turns here, in a handful of queries whatever the number of turns
+(a store may hold a million): the turn spans, then all their traces and their previous
+turns' traces in one ``trace_spans`` call, then the window's tool spans in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from otelkv import names
+from otelkv.analysis.model import Turn, build_turn
+from otelkv.analysis.sources import SpanSource, group_by_trace
+from otelkv.spans import SpanRecord, attr_float, attr_str, is_turn_span
+
+
+def load_turns(
+    source: SpanSource, turn_spans: Sequence[SpanRecord], *, conversation_id: str | None = None
+) -> list[Turn]:
+    """Model the given turn spans, each linked to its previous turn, in two or three queries."""
+    if not turn_spans:
+        return []
+    wanted = [s.trace_id for s in turn_spans]
+    prev_ids = [attr_str(s.attributes, names.TURN_PREVIOUS_TRACE_ID) for s in turn_spans]
+    ids = list(dict.fromkeys(wanted + [p for p in prev_ids if p]))
+    by_trace = group_by_trace(source.trace_spans(ids))
+    for span in turn_spans:  # the turn span itself, even if trace_spans missed it
+        group = by_trace.setdefault(span.trace_id, [])
+        if not any(s.span_id == span.span_id for s in group):
+            group.append(span)
+    lo = min(s.start_ns - int(attr_float(s.attributes, names.TURN_GAP_SECONDS) * 1e9) for s in turn_spans)
+    hi = max(s.start_ns for s in turn_spans)
+    tools: list[SpanRecord] = []
+    if hi > lo:
+        if conversation_id is not None:
+            tools = source.tool_spans(since_ns=lo, until_ns=hi, conversation_id=conversation_id)
+        else:  # only these turns' conversations: a window of days holds far more tool spans
+            convs = sorted({attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) for s in turn_spans} - {""})
+            tools = source.tool_spans(since_ns=lo, until_ns=hi, conversation_ids=convs) if convs else []
+    previous: dict[str, Turn | None] = {}
+    for pid in set(p for p in prev_ids if p) - set(wanted):
+        previous[pid] = build_turn(by_trace.get(pid, []), tool_spans=tools)
+    out: list[Turn] = []
+    built: dict[str, Turn] = {}
+    # Oldest first, so a turn whose predecessor is also wanted links to the full model of it.
+    for span in sorted(turn_spans, key=lambda s: s.start_ns):
+        pid = attr_str(span.attributes, names.TURN_PREVIOUS_TRACE_ID)
+        prev = built.get(pid) or previous.get(pid)
+        turn = build_turn(by_trace[span.trace_id], tool_spans=tools, previous=prev)
+        if turn is not None:
+            built[span.trace_id] = turn
+            out.append(turn)
+    return out
+
+
+WINDOW_CHUNK = 2000
+"""Turns modelled per ``trace_spans`` call by :func:`window_turns` (bounds one query's IN list)."""
+
+
+def window_turns(
+    source: SpanSource, *, since_ns: int | None, until_ns: int | None, max_turns: int | None = None
+) -> tuple[list[Turn], int]:
+    """Every turn of the window, oldest first, each linked to its previous turn; and how many there were.
+
+    With more than ``max_turns`` turns only the most recent ``max_turns`` are modelled (the
+    count says how many were left out). Traces are fetched a chunk at a time; a chunk's first
+    turns still link to predecessors in the chunk before (their traces are fetched again).
+    """
+    spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=None, slowest_first=False)
+    spans = sorted(spans, key=lambda s: s.start_ns)
+    total = len(spans)
+    if max_turns is not None and total > max_turns:
+        spans = spans[total - max_turns :]
+    turns: list[Turn] = []
+    for i in range(0, len(spans), WINDOW_CHUNK):
+        turns.extend(load_turns(source, spans[i : i + WINDOW_CHUNK]))
+    return turns, total
+
+
+def load_trace(source: SpanSource, trace_id: str) -> Turn | None:
+    """The turn of one trace, linked like any other; None when the trace holds no spans or
+    neither a turn nor an engine request. A trace with only engine spans (no turn span)
+    gives an engine-only turn without a predecessor."""
+    spans = source.trace_spans([trace_id])
+    if not spans:
+        return None
+    turn_spans = [s for s in spans if is_turn_span(s)]
+    if turn_spans:
+        # The sidecar's span wins over an agent's (load_turns picks the same way).
+        turn_spans.sort(key=lambda s: (s.scope_name != names.SCOPE_SIDECAR, s.start_ns))
+        turns = load_turns(source, turn_spans[:1])
+        if turns:
+            return turns[0]
+    return build_turn(spans)

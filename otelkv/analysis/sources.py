@@ -1,0 +1,193 @@
+"""Where the analysis reads spans from: a store, a ClickHouse cluster, or a list in memory.
+
+Every source answers the same four questions (:class:`SpanSource`), so ``slow``,
+``conversation``, ``why``, ``tune`` and ``compare`` run unchanged on the sidecar's embedded
+store, a fleet's ClickHouse and the spans of a unit test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from otelkv import names
+from otelkv.spans import (
+    SpanRecord,
+    attr_float,
+    attr_int,
+    attr_str,
+    is_agent_turn_span,
+    is_sidecar_turn_span,
+    is_tool_span,
+    opt_int,
+)
+
+
+def group_by_trace(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
+    out: dict[str, list[SpanRecord]] = {}
+    for span in spans:
+        out.setdefault(span.trace_id, []).append(span)
+    return out
+
+
+class SpanSource(Protocol):
+    """Where spans come from: the store, a ClickHouse cluster, or a list in memory."""
+
+    def turn_spans(
+        self,
+        *,
+        since_ns: int | None,
+        until_ns: int | None,
+        limit: int | None,
+        slowest_first: bool = True,
+        conversation_id: str | None = None,
+    ) -> list[SpanRecord]: ...
+
+    def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]: ...
+
+    def tool_spans(
+        self,
+        *,
+        since_ns: int | None,
+        until_ns: int | None,
+        conversation_id: str | None = None,
+        conversation_ids: Sequence[str] | None = None,
+    ) -> list[SpanRecord]: ...
+
+    def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None: ...
+
+
+def _span_total_s(span: SpanRecord) -> float:
+    return attr_float(span.attributes, names.TURN_TOTAL_SECONDS, span.duration_s)
+
+
+class InMemorySource:
+    """A :class:`SpanSource` over a span list (unit tests, span files, the demo)."""
+
+    def __init__(self, spans: Iterable[SpanRecord]) -> None:
+        self.spans = list(spans)
+        by_trace = group_by_trace(self.spans)
+        # A trace's turn span: the sidecar's, else an agent chat span with a turn index.
+        self._turns: list[SpanRecord] = []
+        for group in by_trace.values():
+            sidecar = [s for s in group if is_sidecar_turn_span(s)]
+            self._turns.extend(sidecar or [s for s in group if is_agent_turn_span(s)][:1])
+
+    def turn_spans(
+        self,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        limit: int | None = 20,
+        slowest_first: bool = True,
+        conversation_id: str | None = None,
+    ) -> list[SpanRecord]:
+        out = [
+            s
+            for s in self._turns
+            if (since_ns is None or s.start_ns >= since_ns)
+            and (until_ns is None or s.start_ns < until_ns)
+            and (
+                conversation_id is None
+                or attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
+            )
+        ]
+        if slowest_first:
+            out.sort(key=lambda s: (-_span_total_s(s), s.start_ns))
+        else:
+            out.sort(key=lambda s: (s.start_ns, attr_int(s.attributes, names.TURN_INDEX)))
+        return out[:limit]
+
+    def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]:
+        wanted = set(trace_ids)
+        return [s for s in self.spans if s.trace_id in wanted]
+
+    def tool_spans(
+        self,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        conversation_id: str | None = None,
+        conversation_ids: Sequence[str] | None = None,
+    ) -> list[SpanRecord]:
+        wanted = set(conversation_ids) if conversation_ids is not None else None
+        return [
+            s
+            for s in self.spans
+            if is_tool_span(s)
+            and (since_ns is None or s.end_ns > since_ns)
+            and (until_ns is None or s.start_ns < until_ns)
+            and (
+                conversation_id is None
+                or attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
+            )
+            and (wanted is None or attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) in wanted)
+        ]
+
+    def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None:
+        found = [
+            s
+            for s in self._turns
+            if attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
+            and opt_int(s.attributes, names.TURN_INDEX) == index
+        ]
+        return max(found, key=lambda s: s.start_ns) if found else None
+
+
+class StoreSource:
+    """A :class:`SpanSource` over an open store, through :mod:`otelkv.store.queries`."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @staticmethod
+    def _q() -> Any:
+        from otelkv.store import queries  # lazy: chDB is an optional, heavy import
+
+        return queries
+
+    def turn_spans(
+        self,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        limit: int | None = 20,
+        slowest_first: bool = True,
+        conversation_id: str | None = None,
+    ) -> list[SpanRecord]:
+        return list(
+            self._q().turn_spans(
+                self.store,
+                since_ns=since_ns,
+                until_ns=until_ns,
+                limit=limit,
+                slowest_first=slowest_first,
+                conversation_id=conversation_id,
+            )
+        )
+
+    def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]:
+        if not trace_ids:
+            return []
+        return list(self._q().trace_spans(self.store, list(trace_ids)))
+
+    def tool_spans(
+        self,
+        *,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        conversation_id: str | None = None,
+        conversation_ids: Sequence[str] | None = None,
+    ) -> list[SpanRecord]:
+        return list(
+            self._q().tool_spans(
+                self.store,
+                since_ns=since_ns,
+                until_ns=until_ns,
+                conversation_id=conversation_id,
+                conversation_ids=conversation_ids,
+            )
+        )
+
+    def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None:
+        return self._q().find_turn(self.store, conversation_id, index)  # type: ignore[no-any-return]

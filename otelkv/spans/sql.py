@@ -1,0 +1,54 @@
+"""The span predicates of :mod:`otelkv.spans.kinds` as ClickHouse SQL over ``otel_traces``.
+
+Values are written as quoted literals derived from :mod:`otelkv.names` (Grafana sends raw
+SQL, without bound parameters); they are constants, never user input. The store's queries
+and the dashboards' panels use these fragments, so "what counts as a turn span" is the
+same in ``otelkv slow``, in a Grafana table and in the analysis.
+"""
+
+from __future__ import annotations
+
+from otelkv import names
+from otelkv.spans import kinds
+
+
+def lit(value: str) -> str:
+    """A ClickHouse string literal (backslash and quote escaped)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def attr(key: str) -> str:
+    """A span attribute (every value is a string in the exporter's ``Map(String, String)``)."""
+    return f"SpanAttributes[{lit(key)}]"
+
+
+def has_attr(key: str) -> str:
+    return f"mapContains(SpanAttributes, {lit(key)})"
+
+
+def name_like(prefix: str) -> str:
+    """The name is the template's fixed word alone or followed by its variable part
+    (:func:`otelkv.spans.kinds.named`); prefixes are plain words, without LIKE metacharacters."""
+    return f"(SpanName = {lit(prefix.rstrip())} OR SpanName LIKE {lit(prefix + '%')})"
+
+
+def _in(expr: str, values: tuple[str, ...]) -> str:
+    return f"{expr} IN ({', '.join(lit(v) for v in values)})"
+
+
+OPERATION = attr(names.GEN_AI_OPERATION_NAME)
+
+SIDECAR_TURN_SPANS = f"(ScopeName = {lit(names.SCOPE_SIDECAR)} AND {_in(OPERATION, names.TURN_OPERATIONS)})"
+"""The sidecar's turn spans (:func:`otelkv.spans.kinds.is_sidecar_turn_span`)."""
+AGENT_TURN_SPANS = (
+    f"(ScopeName != {lit(names.SCOPE_SIDECAR)} AND {OPERATION} = {lit(names.OPERATION_CHAT)}"
+    f" AND {attr(names.TURN_INDEX)} != '')"
+)
+"""An agent's own turn spans (:func:`otelkv.spans.kinds.is_agent_turn_span`)."""
+TURN_SPANS = f"({SIDECAR_TURN_SPANS} OR {AGENT_TURN_SPANS})"
+"""Every turn span (:func:`otelkv.spans.kinds.is_turn_span`)."""
+TOOL_SPANS = f"({OPERATION} = {lit(names.OPERATION_EXECUTE_TOOL)} OR {name_like(kinds.TOOL_PREFIX)})"
+ENGINE_REQUEST_SPANS = f"({name_like(kinds.ENGINE_REQUEST_PREFIX)} AND {has_attr(names.ROLE)})"
+PREFILL_SPANS = f"({ENGINE_REQUEST_SPANS} AND {attr(names.ROLE)} = {lit(names.ROLE_PREFILL)})"
+TRANSFER_SPANS = f"({has_attr(names.TRANSFER_DIRECTION)} OR {name_like(kinds.TRANSFER_PREFIX)})"
+RETENTION_SPANS = f"({has_attr(names.RETENTION_KIND)} OR {name_like(kinds.RETENTION_PREFIX)})"
