@@ -45,7 +45,7 @@ def engine_processes(fleet: Fleet) -> dict[str, psutil.Process]:
                 label = "api server"
             elif name.startswith("VLLM::"):
                 label = name.removeprefix("VLLM::").lower()
-            elif "span_export" in cmdline:
+            elif "exporter_process" in cmdline:
                 label = "otelkv exporter"
             else:
                 continue  # multiprocessing's resource tracker

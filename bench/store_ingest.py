@@ -54,6 +54,7 @@ def synthetic_spans(n: int, t0: int) -> list[SpanRecord]:
         start = t0 + turn * 2_000_000 + k * 1000
         if k == 0:
             attrs: dict[str, Any] = {
+                names.GEN_AI_OPERATION_NAME: names.OPERATION_CHAT,
                 names.GEN_AI_CONVERSATION_ID: f"conv-{turn // 10}",
                 names.TURN_INDEX: turn % 10,
                 names.TURN_TOTAL_SECONDS: 0.5 + (turn % 97) / 10,
@@ -171,6 +172,7 @@ def generate_turns(store: ChdbStore, turns: int, t0_ns: int, span_s: float) -> f
     step_ns = int(span_s * 1e9 / max(turns, 1))
     chat = _map(
         [
+            (names.GEN_AI_OPERATION_NAME, f"'{names.OPERATION_CHAT}'"),
             (names.GEN_AI_CONVERSATION_ID, "concat('conv-', toString(intDiv(turn, 10)))"),
             (names.TURN_INDEX, "toString(turn % 10)"),
             (names.TURN_TOTAL_SECONDS, "toString((cityHash64(turn) % 100000) / 1000)"),
@@ -185,6 +187,7 @@ def generate_turns(store: ChdbStore, turns: int, t0_ns: int, span_s: float) -> f
         [
             ("otelkv.role", "if(k % 2 = 1, 'prefill', 'decode')"),
             ("otelkv.request.id", "concat('chatcmpl-', hex(number))"),
+            (names.GEN_AI_OPERATION_NAME, f"'{names.OPERATION_CHAT}'"),
             (names.GEN_AI_CONVERSATION_ID, "concat('conv-', toString(intDiv(turn, 10)))"),
             ("gen_ai.usage.input_tokens", "'1500'"),
             ("otelkv.tokens.pulled", "'256'"),
@@ -193,6 +196,7 @@ def generate_turns(store: ChdbStore, turns: int, t0_ns: int, span_s: float) -> f
     )
     tool = _map(
         [
+            (names.GEN_AI_OPERATION_NAME, f"'{names.OPERATION_CHAT}'"),
             (names.GEN_AI_CONVERSATION_ID, "concat('conv-', toString(intDiv(turn, 10)))"),
             ("gen_ai.operation.name", "'execute_tool'"),
             ("gen_ai.tool.name", "'search'"),
@@ -277,7 +281,7 @@ def bench_queries(turns: int, repeats: int) -> tuple[float, int, list[tuple[str,
             seconds, answer = timed(lambda: report.slow(source, limit=10), repeats)
             rows.append(("otelkv slow (report.slow, 10 turns)", seconds, len(answer["turns"])))
             seconds, answer = timed(lambda: report.why(source, ids[0]), repeats)
-            rows.append(("otelkv why TRACE (report.why)", seconds, len(answer["diagnoses"])))
+            rows.append(("otelkv why TRACE (report.why)", seconds, len(answer["turn"]["diagnoses"])))
             seconds, answer = timed(lambda: report.conversation(source, conv), repeats)
             rows.append(("otelkv conversation ID", seconds, len(answer["turns"])))
         finally:

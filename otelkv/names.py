@@ -745,8 +745,6 @@ SIDECAR_METRICS: Final = (
 )
 """The sidecar's own ``/metrics``."""
 
-METRICS: Final = {m.name: m for m in (*ENGINE_METRICS, *SIDECAR_METRICS)}
-
 
 ENV_SIDECAR_TOKEN: Final = "OTELKV_TOKEN"
 """Bearer token the sidecar's query API and OTLP receiver require when set."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from otelkv import names
@@ -779,6 +779,10 @@ def diagnose(turn: Turn, ctx: Context | None = None) -> list[Diagnosis]:
     """
     ctx = ctx or Context()
     order = {diag_id: i for i, diag_id in enumerate(REGISTRY)}
-    found = [d for d in (entry.check(turn, ctx) for entry in REGISTRY.values()) if d is not None]
+    found = []
+    for entry in REGISTRY.values():
+        d = entry.check(turn, ctx)
+        if d is not None:  # the registry is the authority on id and title
+            found.append(replace(d, id=entry.id, title=entry.title))
     found.sort(key=lambda d: (not REGISTRY[d.id].failure, -d.cost_s, order[d.id]))
     return found

@@ -18,16 +18,33 @@ from otelkv.analysis.sources import SpanSource, group_by_trace
 from otelkv.spans import SpanRecord, attr_float, attr_str, is_turn_span
 
 
+def one_per_trace(turn_spans: Sequence[SpanRecord]) -> list[SpanRecord]:
+    """The span that speaks for each trace's turn: the sidecar's, else the earliest."""
+    best: dict[str, SpanRecord] = {}
+    for span in sorted(turn_spans, key=lambda s: (s.scope_name != names.SCOPE_SIDECAR, s.start_ns)):
+        best.setdefault(span.trace_id, span)
+    return [s for s in turn_spans if best[s.trace_id] is s]
+
+
 def load_turns(
-    source: SpanSource, turn_spans: Sequence[SpanRecord], *, conversation_id: str | None = None
+    source: SpanSource,
+    turn_spans: Sequence[SpanRecord],
+    *,
+    conversation_id: str | None = None,
+    fetched: dict[str, list[SpanRecord]] | None = None,
 ) -> list[Turn]:
-    """Model the given turn spans, each linked to its previous turn, in two or three queries."""
+    """Model the given turn spans (one turn per trace), each linked to its previous turn, in
+    two or three queries. ``fetched``: traces already read (trace id -> spans), not read again."""
+    turn_spans = one_per_trace(turn_spans)
     if not turn_spans:
         return []
     wanted = [s.trace_id for s in turn_spans]
     prev_ids = [attr_str(s.attributes, names.TURN_PREVIOUS_TRACE_ID) for s in turn_spans]
     ids = list(dict.fromkeys(wanted + [p for p in prev_ids if p]))
-    by_trace = group_by_trace(source.trace_spans(ids))
+    by_trace = {tid: list(spans) for tid, spans in (fetched or {}).items()}
+    missing = [tid for tid in ids if tid not in by_trace]
+    if missing:
+        by_trace.update(group_by_trace(source.trace_spans(missing)))
     for span in turn_spans:  # the turn span itself, even if trace_spans missed it
         group = by_trace.setdefault(span.trace_id, [])
         if not any(s.span_id == span.span_id for s in group):
@@ -71,7 +88,7 @@ def window_turns(
     turns still link to predecessors in the chunk before (their traces are fetched again).
     """
     spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=None, slowest_first=False)
-    spans = sorted(spans, key=lambda s: s.start_ns)
+    spans = sorted(one_per_trace(spans), key=lambda s: s.start_ns)
     total = len(spans)
     if max_turns is not None and total > max_turns:
         spans = spans[total - max_turns :]
@@ -81,18 +98,13 @@ def window_turns(
     return turns, total
 
 
-def load_trace(source: SpanSource, trace_id: str) -> Turn | None:
-    """The turn of one trace, linked like any other; None when the trace holds no spans or
-    neither a turn nor an engine request. A trace with only engine spans (no turn span)
+def load_trace(source: SpanSource, trace_id: str, spans: Sequence[SpanRecord]) -> Turn | None:
+    """The turn of one trace whose ``spans`` were read, linked like any other; None when they
+    hold neither a turn nor an engine request. A trace with only engine spans (no turn span)
     gives an engine-only turn without a predecessor."""
-    spans = source.trace_spans([trace_id])
-    if not spans:
-        return None
     turn_spans = [s for s in spans if is_turn_span(s)]
     if turn_spans:
-        # The sidecar's span wins over an agent's (load_turns picks the same way).
-        turn_spans.sort(key=lambda s: (s.scope_name != names.SCOPE_SIDECAR, s.start_ns))
-        turns = load_turns(source, turn_spans[:1])
+        turns = load_turns(source, turn_spans, fetched={trace_id: list(spans)})
         if turns:
             return turns[0]
     return build_turn(spans)

@@ -113,11 +113,12 @@ def why(source: SpanSource, ref: str) -> dict[str, Any]:
         trace_id = span.trace_id
     else:
         trace_id = str(key)
-    if not source.trace_spans([trace_id]):
+    spans = source.trace_spans([trace_id])
+    if not spans:
         raise NotFound(
             f"no spans for trace {trace_id} in the store (it may have aged out or not arrived yet)"
         )
-    turn = load_trace(source, trace_id)
+    turn = load_trace(source, trace_id, spans)
     if turn is None:
         raise NotFound(f"trace {trace_id} holds no agent turn and no engine request")
     ctx = diagnosis_context([turn])

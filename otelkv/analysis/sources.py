@@ -16,11 +16,15 @@ from otelkv.spans import (
     attr_float,
     attr_int,
     attr_str,
-    is_agent_turn_span,
-    is_sidecar_turn_span,
     is_tool_span,
+    is_turn_span,
     opt_int,
 )
+
+
+def _turn_rank(span: SpanRecord) -> tuple[bool, int]:
+    """Which turn span speaks for a trace or a turn: the sidecar's first, then the earliest."""
+    return (span.scope_name != names.SCOPE_SIDECAR, span.start_ns)
 
 
 def group_by_trace(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
@@ -67,11 +71,13 @@ class InMemorySource:
     def __init__(self, spans: Iterable[SpanRecord]) -> None:
         self.spans = list(spans)
         by_trace = group_by_trace(self.spans)
-        # A trace's turn span: the sidecar's, else an agent chat span with a turn index.
+        # One turn span per trace: the sidecar's, else an agent chat span with a turn index
+        # (the earliest of either), as the store's query picks it.
         self._turns: list[SpanRecord] = []
         for group in by_trace.values():
-            sidecar = [s for s in group if is_sidecar_turn_span(s)]
-            self._turns.extend(sidecar or [s for s in group if is_agent_turn_span(s)][:1])
+            turns = [s for s in group if is_turn_span(s)]
+            if turns:
+                self._turns.append(min(turns, key=_turn_rank))
 
     def turn_spans(
         self,
@@ -131,7 +137,7 @@ class InMemorySource:
             if attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
             and opt_int(s.attributes, names.TURN_INDEX) == index
         ]
-        return max(found, key=lambda s: s.start_ns) if found else None
+        return min(found, key=_turn_rank) if found else None
 
 
 class StoreSource:

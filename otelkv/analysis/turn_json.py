@@ -13,10 +13,13 @@ without reading the schema:
   ``pulled``), as the metric labels of the same name;
 * settings use vLLM's names with their unit (``decoder_kv_blocks_ttl_s``,
   ``kv_recompute_threshold``);
-* diagnoses are always objects: ``id``, ``title``, ``summary``, ``cost_s``, ``evidence``, ``fix``.
+* diagnoses are always objects: ``id``, ``title``, ``failure`` (a failed or hung request,
+  ranked first), ``summary``, ``cost_s``, ``evidence``, ``fix``.
 
-``schema_version`` changes when a field is renamed or removed or changes meaning, not when
-one is added.
+``schema_version`` changes when a field is renamed or removed or changes meaning. A field
+added comes with the schema file of the same release, which declares every field
+(``additionalProperties: false``): validate a document with the schema of the otelkv that
+wrote it.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ def _schema() -> dict[str, Any]:
 
 
 def iso(ns: int | None) -> str | None:
-    """Unix nanoseconds as ISO 8601 UTC with microseconds (``2026-12-01T18:32:21.123456Z``)."""
+    """Unix nanoseconds as ISO 8601 UTC, truncated to microseconds (``2026-12-01T18:32:21.123456Z``)."""
     if ns is None:
         return None
-    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    seconds, rest = divmod(int(ns), 1_000_000_000)
+    second = datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{second}.{rest // 1000:06d}Z"
 
 
 def r6(value: float | None) -> float | None:
@@ -138,7 +143,6 @@ def leg_object(leg: Leg | None) -> dict[str, Any] | None:
     """What one engine recorded for the turn's request."""
     if leg is None:
         return None
-    pull = pull_seconds(leg) if leg.transfer is not None else None
     return {
         "role": leg.role,
         "request_id": leg.request_id,
@@ -165,7 +169,7 @@ def leg_object(leg: Leg | None) -> dict[str, Any] | None:
         "reason": leg.reason,
         "kv_recompute_threshold": leg.threshold,
         "remote_kv_wait_s": r6(leg.remote_kv_wait_s),
-        "pull_s": r6(pull),
+        "pull_s": r6(pull_seconds(leg)),
         "kv_params_returned": leg.kv_params_returned,
         "transfer": _transfer(leg.transfer),
         "retention": _retention(leg.retention),

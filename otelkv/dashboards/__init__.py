@@ -16,9 +16,8 @@ Modules, one job each:
 * :mod:`.agent_turns`, :mod:`.kv_reuse`, :mod:`.conversation`: one module per dashboard.
 * :mod:`.build`: render, write and check the JSON; :mod:`.provisioning`: Grafana's
   provisioning files; :mod:`.push`: create or update everything on a Grafana server.
-* :mod:`.inventory` and :mod:`.expand`: every query a dashboard sends, and what Grafana
-  turns it into before the datasource sees it (template variables, ClickHouse macros), for
-  the tests that run the queries against real data.
+* :mod:`.inventory`: every query a dashboard sends, for the tests that run them against real
+  data (after the expansion Grafana does, in ``tools/grafana_expand.py``).
 
 Needs the ``dashboards`` extra (``pip install 'otelkv[dashboards]'``); nothing else in
 otelkv imports this package.

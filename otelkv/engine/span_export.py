@@ -200,16 +200,19 @@ class ProcessWriter:
             time.sleep(0.01)
 
     def close(self) -> None:
+        """Flush, then end the exporter process's input; it exports what it has and exits
+        (waited for up to 2 s, so no zombie is left; it dies with its parent anyway)."""
         self.flush()
         try:
             self._pipe.close()
         except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
             pass
 
 
 def _plain(attributes: dict[str, Any]) -> dict[str, Any]:
     """Attribute values marshal can carry (str, int, float, bool; anything else as str)."""
     return {str(k): v if isinstance(v, (str, int, float, bool)) else str(v) for k, v in attributes.items()}
-
-
-# ------------------------------------------------------------------ exporter process

@@ -1,8 +1,10 @@
 """What a span is: the one definition of each kind of span the analysis reads.
 
-A **turn span** is the sidecar's ``chat {model}`` span (scope ``otelkv.sidecar``, operation
-``chat`` or ``text_completion``), or, from another scope, an agent's own ``chat`` span that
-carries a turn index (the reference fleet's driver). :mod:`otelkv.spans.sql` writes the
+A **turn span** is named ``chat {model}`` (the GenAI name of a chat span) and is either the
+sidecar's (scope ``otelkv.sidecar``, operation ``chat`` or ``text_completion``: the sidecar
+names both ``chat``) or, from another scope, an agent's own ``chat`` span that carries a
+turn index (the reference fleet's driver). A trace holding both is one turn: the sidecar's
+span speaks for it. :mod:`otelkv.spans.sql` writes the
 same predicates as ClickHouse SQL; a unit test holds the two to the same answers.
 """
 
@@ -16,8 +18,8 @@ ENGINE_REQUEST_PREFIX = names.span_name_prefix(names.SPAN_ENGINE_REQUEST)
 TRANSFER_PREFIX = names.span_name_prefix(names.SPAN_TRANSFER)
 RETENTION_PREFIX = names.span_name_prefix(names.SPAN_RETENTION)
 ROUTER_PREFIX = names.span_name_prefix(names.SPAN_ROUTER_TURN)
-ROUTER_LEG_PREFIX = names.span_name_prefix(names.SPAN_ROUTER_LEG)
 TOOL_PREFIX = names.span_name_prefix(names.SPAN_TOOL)
+TURN_PREFIX = names.span_name_prefix(names.SPAN_AGENT_TURN)
 
 
 def named(span: SpanRecord, prefix: str) -> bool:
@@ -33,7 +35,11 @@ def operation(span: SpanRecord) -> str:
 
 def is_sidecar_turn_span(span: SpanRecord) -> bool:
     """The sidecar's turn span: the authoritative record of one agent turn."""
-    return span.scope_name == names.SCOPE_SIDECAR and operation(span) in names.TURN_OPERATIONS
+    return (
+        span.scope_name == names.SCOPE_SIDECAR
+        and operation(span) in names.TURN_OPERATIONS
+        and named(span, TURN_PREFIX)
+    )
 
 
 def is_agent_turn_span(span: SpanRecord) -> bool:
@@ -41,6 +47,7 @@ def is_agent_turn_span(span: SpanRecord) -> bool:
     return (
         span.scope_name != names.SCOPE_SIDECAR
         and operation(span) == names.OPERATION_CHAT
+        and named(span, TURN_PREFIX)
         and attr_str(span.attributes, names.TURN_INDEX) != ""
     )
 

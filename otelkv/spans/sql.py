@@ -28,8 +28,9 @@ def has_attr(key: str) -> str:
 
 def name_like(prefix: str) -> str:
     """The name is the template's fixed word alone or followed by its variable part
-    (:func:`otelkv.spans.kinds.named`); prefixes are plain words, without LIKE metacharacters."""
-    return f"(SpanName = {lit(prefix.rstrip())} OR SpanName LIKE {lit(prefix + '%')})"
+    (:func:`otelkv.spans.kinds.named`). ``startsWith``, not ``LIKE``: ``_`` in ``kv_request``
+    would be a LIKE wildcard."""
+    return f"(SpanName = {lit(prefix.rstrip())} OR startsWith(SpanName, {lit(prefix)}))"
 
 
 def _in(expr: str, values: tuple[str, ...]) -> str:
@@ -38,11 +39,14 @@ def _in(expr: str, values: tuple[str, ...]) -> str:
 
 OPERATION = attr(names.GEN_AI_OPERATION_NAME)
 
-SIDECAR_TURN_SPANS = f"(ScopeName = {lit(names.SCOPE_SIDECAR)} AND {_in(OPERATION, names.TURN_OPERATIONS)})"
+TURN_NAMES = name_like(kinds.TURN_PREFIX)
+SIDECAR_TURN_SPANS = (
+    f"(ScopeName = {lit(names.SCOPE_SIDECAR)} AND {_in(OPERATION, names.TURN_OPERATIONS)} AND {TURN_NAMES})"
+)
 """The sidecar's turn spans (:func:`otelkv.spans.kinds.is_sidecar_turn_span`)."""
 AGENT_TURN_SPANS = (
     f"(ScopeName != {lit(names.SCOPE_SIDECAR)} AND {OPERATION} = {lit(names.OPERATION_CHAT)}"
-    f" AND {attr(names.TURN_INDEX)} != '')"
+    f" AND {TURN_NAMES} AND {attr(names.TURN_INDEX)} != '')"
 )
 """An agent's own turn spans (:func:`otelkv.spans.kinds.is_agent_turn_span`)."""
 TURN_SPANS = f"({SIDECAR_TURN_SPANS} OR {AGENT_TURN_SPANS})"

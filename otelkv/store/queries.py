@@ -37,7 +37,8 @@ def turn_spans(
     slowest_first: bool = True,
     conversation_id: str | None = None,
 ) -> list[SpanRecord]:
-    """Turn spans (:data:`otelkv.spans.sql.TURN_SPANS`) starting in ``[since_ns, until_ns)``.
+    """Turn spans (:data:`otelkv.spans.sql.TURN_SPANS`) starting in ``[since_ns, until_ns)``,
+    one per trace (the sidecar's when an agent's own chat span shares its trace).
 
     Slowest first by ``otelkv.turn.total_s`` (the span's duration when that is absent or 0);
     with ``conversation_id``, that conversation's turns in time order instead. ``limit=None``
@@ -45,7 +46,7 @@ def turn_spans(
     """
     table, _ = _tables(store)
     where = [span_sql.TURN_SPANS]
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = {"sidecar_scope": names.SCOPE_SIDECAR}
     if since_ns is not None:
         where.append("Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})")
         params["since_ns"] = int(since_ns)
@@ -55,13 +56,17 @@ def turn_spans(
     if conversation_id is not None:
         where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
         params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
-        order = "Timestamp ASC, SpanId"
+        order = "StartNs ASC, SpanId"
     else:
         params["total_key"] = names.TURN_TOTAL_SECONDS
         total = "toFloat64OrZero(SpanAttributes[{total_key:String}])"
         latency = f"if({total} > 0, {total}, Duration / 1e9)"
-        order = f"{latency} {'DESC' if slowest_first else 'ASC'}, Timestamp ASC"
-    sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY {order}"
+        order = f"{latency} {'DESC' if slowest_first else 'ASC'}, StartNs ASC"
+    one_per_trace = (
+        f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\n"
+        "ORDER BY ScopeName = {sidecar_scope:String} DESC, Timestamp ASC\nLIMIT 1 BY TraceId"
+    )
+    sql = f"SELECT *\nFROM (\n{one_per_trace}\n)\nORDER BY {order}"
     if limit is not None:
         sql += "\nLIMIT {limit:UInt64}"
         params["limit"] = max(0, int(limit))

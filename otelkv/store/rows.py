@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any
 
 from otelkv.spans import SpanRecord
 from otelkv.spans.attrs import attr_map, attr_value
@@ -31,7 +31,6 @@ Links.TraceId AS LinksTraceId, Links.SpanId AS LinksSpanId,
 Links.TraceState AS LinksTraceState, Links.Attributes AS LinksAttributes"""
 """Select list whose rows :func:`row_to_span` reads (nanosecond integers, no time zones)."""
 
-_T = TypeVar("_T")
 
 
 def span_to_row(span: SpanRecord) -> tuple[Any, ...]:

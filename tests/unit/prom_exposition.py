@@ -37,7 +37,8 @@ class Exposition:
         return found[0] if found else None
 
     def names(self) -> set[str]:
-        return {n for n, _, v in self.samples if v}
+        """Every sample name scraped, zero or not."""
+        return {n for n, _, _ in self.samples}
 
 
 def exposed(payload: dict[str, Any]) -> Exposition:

@@ -154,6 +154,13 @@ def test_why_by_trace_id_and_by_index(form: Any) -> None:
     assert turn["turn_index"] == 1
 
 
+def test_why_reads_the_trace_once_and_its_predecessor_once() -> None:
+    source = CountingSource(lapse_conversation())
+    turn = why(source, "conv-lapse#1")["turn"]
+    assert turn["previous_trace_id"] and turn["diagnoses"]
+    assert source.calls.count("trace_spans") == 2
+
+
 def test_why_recomputes_gap_split_with_tool_spans() -> None:
     spans = lapse_conversation()
     gap_start = T0 + 101 * S
@@ -213,10 +220,27 @@ def test_store_source_answers_like_memory(tmp_path: Any) -> None:
         dataclasses.replace(sp, start_ns=sp.start_ns + shift, end_ns=sp.end_ns + shift)
         for sp in lapse_conversation() + quick_conversation()
     ]
+    # The agent's own client span in each turn's trace (as the reference driver sends it):
+    # a second turn span in the trace, which must not make a second turn.
+    agents = [
+        dataclasses.replace(
+            sp,
+            span_id=f"{i:016x}",
+            scope_name=names.SCOPE_FLEET,
+            start_ns=sp.start_ns - 1000,
+            end_ns=sp.end_ns + 1000,
+        )
+        for i, sp in enumerate(
+            s for s in spans if s.scope_name == names.SCOPE_SIDECAR and s.name.startswith("chat ")
+        )
+    ]
+    assert agents
+    spans += agents
     store = ChdbStore(tmp_path / "store")
     try:
         assert store.insert_spans(spans) == len(spans)
         disk, memory = StoreSource(store), InMemorySource(spans)
+        assert len(slow(disk, limit=50)["turns"]) == len(agents)
         for fn in (
             lambda src: slow(src, limit=5),
             lambda src: conversation(src, "conv-lapse"),

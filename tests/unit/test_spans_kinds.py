@@ -57,6 +57,8 @@ SPANS = [
     _span(17, "kv_requests_are_not_this"),
     _span(18, "execute_tool"),  # a tool without a name
     _span(19, "execute_toolbox"),
+    _span(21, "kvXrequest prefill", N.SCOPE_ENGINE, **{N.ROLE: N.ROLE_PREFILL}),  # "_" is no wildcard
+    _span(22, "text_completion m", N.SCOPE_SIDECAR, **{OP: N.OPERATION_TEXT_COMPLETION}),  # not a turn name
 ]
 
 PAIRS: list[tuple[str, Callable[[SpanRecord], bool], str]] = [

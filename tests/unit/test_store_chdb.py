@@ -153,8 +153,15 @@ def test_turn_spans_ordering_and_filters(store: ChdbStore) -> None:
         turn("c1", 1, NOW + 10 * SEC, 9.0, None, "t2"),  # no total_s: duration 9 s
         turn("c1", 2, NOW + 20 * SEC, 3.0, 0.0, "t3"),  # total_s 0: duration 3 s
         turn("c2", 0, NOW + 30 * SEC, 7.0, 7.0, "t4"),
-        span("t5", "x", "chat tiny", NOW, 100.0, {names.GEN_AI_CONVERSATION_ID: "c1"}),  # no turn index
-        span("t6", "y", "kv_request decode", NOW, 50.0, {names.TURN_INDEX: 1}),  # not a chat span
+        span(
+            "t5",
+            "x",
+            "chat tiny",
+            NOW,
+            100.0,
+            {names.GEN_AI_OPERATION_NAME: names.OPERATION_CHAT, names.GEN_AI_CONVERSATION_ID: "c1"},
+        ),  # an agent's chat span without a turn index
+        span("t6", "y", "kv_request decode", NOW, 50.0, {names.TURN_INDEX: 1}),  # not a turn span
     ]
     store.insert_spans(spans)
     slowest = queries.turn_spans(store)

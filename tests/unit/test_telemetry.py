@@ -131,13 +131,14 @@ def test_a_dead_exporter_process_costs_drops_not_blocking(monkeypatch: pytest.Mo
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     writer = ProcessWriter({}, capacity=100)
     os.kill(writer.pid, signal.SIGKILL)
-    psutil.Process(writer.pid).wait(timeout=10)
+    exporter = psutil.Process(writer.pid)
+    while exporter.status() != psutil.STATUS_ZOMBIE:  # dead; close() reaps it
+        time.sleep(0.01)
     started = time.monotonic()
     for i in range(1000):
         writer.emit(record(span_id=i + 1))
         if i % 100 == 0:
-            writer._wake.set()
-            time.sleep(0.05)
+            writer.flush(0.05)
     assert time.monotonic() - started < 10
     writer.flush(2.0)
     assert writer.dropped >= 900

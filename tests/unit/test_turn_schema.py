@@ -56,3 +56,25 @@ def test_the_schema_rejects_what_it_should() -> None:
     for bad in (renamed, bare, local):
         with pytest.raises(AssertionError):
             assert_valid(bad)
+
+
+def test_compare_sides_carry_the_turn_objects_values() -> None:
+    """A compared turn's fields hold what the turn object says under the same names."""
+    from otelkv.analysis.compare.rows import turn_row
+    from otelkv.analysis.diagnose import diagnose
+    from otelkv.analysis.linker import load_turns
+    from otelkv.analysis.sources import InMemorySource
+    from tests.unit.test_report import lapse_conversation
+
+    source = InMemorySource(lapse_conversation())
+    for turn in load_turns(source, source.turn_spans(limit=None, slowest_first=False)):
+        found = diagnose(turn)
+        full, side = turn_json.turn_object(turn, found), turn_row(turn, found).as_turn()
+        for key in ("trace_id", "conversation_id", "turn_index", "start_ns", "start", "outcome", "ttft_s"):
+            assert side[key] == full[key], key
+        assert side["diagnoses"] == full["diagnoses"]
+        assert side["total_s"] == full["total_s"]
+        for key in ("reason", "compute_s", "pull_s"):
+            assert side["prefill"][key] == full["prefill"][key], key
+        for key in ("prompt", "computed", "pulled"):
+            assert side["prefill"]["tokens"][key] == full["prefill"]["tokens"][key], key

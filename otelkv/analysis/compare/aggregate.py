@@ -221,6 +221,10 @@ def regressions(pairs: Sequence[tuple[TurnRow, TurnRow]], options: CompareOption
     }
 
 
+MANIFEST_ALIASES = {"decoder_kv_blocks_ttl_s": "decoder_kv_blocks_ttl"}
+"""Setting keys a manifest may name without their unit (``otelkv fleet record`` of 0.x)."""
+
+
 def settings_rows(a: Run, b: Run) -> list[dict[str, Any]]:
     """Each setting for A and B: the spans' value (what was in force), else the manifest's."""
     out = []
@@ -235,7 +239,8 @@ def _setting(run: Run, key: str) -> tuple[Any, str | None]:
     value = run.settings.get(key)
     if value is not None:
         return value, "spans"
-    recorded = ((run.manifest or {}).get("settings") or {}).get(key)
+    settings = (run.manifest or {}).get("settings") or {}
+    recorded = settings.get(key, settings.get(MANIFEST_ALIASES.get(key, "")))
     return (recorded, "manifest") if recorded is not None else (None, None)
 
 

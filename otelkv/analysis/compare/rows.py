@@ -77,6 +77,9 @@ class TurnRow:
     """As :func:`otelkv.analysis.turn_json.diagnosis_object` writes them."""
     prefill_prompt_tokens: int | None = None
     """The prefill node's prompt tokens (None: no prefill span)."""
+    prefill_pulled_tokens: int | None = None
+    prefill_pull_s: float | None = None
+    """:func:`otelkv.analysis.diagnose.pull_seconds` of the prefill request (any direction)."""
 
     @property
     def key(self) -> tuple[str, int | None]:
@@ -98,11 +101,11 @@ class TurnRow:
                 "tokens": {
                     "prompt": self.prefill_prompt_tokens,
                     "computed": self.computed_tokens,
-                    "pulled": self.pulled_tokens,
+                    "pulled": self.prefill_pulled_tokens,
                 },
                 "reason": self.pull_reason,
                 "compute_s": turn_json.r6(self.prefill_compute_s),
-                "pull_s": turn_json.r6(self.prefill_transfer_s),
+                "pull_s": turn_json.r6(self.prefill_pull_s),
             }
         return {
             "trace_id": self.trace_id,
@@ -198,6 +201,8 @@ def turn_row(turn: Turn, diagnoses: Sequence[Any] = ()) -> TurnRow:
         held=_held(turn),
         diagnoses=tuple(turn_json.diagnosis_object(d) for d in diagnoses),
         prefill_prompt_tokens=leg.prompt_tokens if leg else None,
+        prefill_pulled_tokens=leg.pulled if leg else None,
+        prefill_pull_s=pull_seconds(leg) if leg else None,
     )
 
 
