@@ -203,6 +203,24 @@ RETENTION_BLOCK_SECONDS: Final = "otelkv.retention.block_seconds"
 REQUEST_OUTCOME: Final = "otelkv.request.outcome"
 REQUEST_STATUS: Final = "otelkv.request.vllm_status"
 REMOTE_KV_WAIT_SECONDS: Final = "otelkv.request.remote_kv_wait_s"
+TRACE_CONTEXT_SOURCE: Final = "otelkv.trace_context.source"
+"""Where the request's parent came from (:data:`TRACE_CONTEXT_SOURCES`)."""
+
+# --------------------------------------------------------------------------------------
+# The request body's vllm_xargs (vLLM 0.32 hands them to the engine as
+# SamplingParams.extra_args): identity that survives routers that copy the body but drop
+# headers. The sidecar writes them; the engine's observer reads them.
+# --------------------------------------------------------------------------------------
+
+BODY_XARGS: Final = "vllm_xargs"
+XARG_TRACEPARENT: Final = "otelkv_traceparent"
+"""The turn span's W3C ``traceparent`` (``00-<trace id>-<span id>-01``)."""
+XARG_SESSION_ID: Final = "session_id"
+"""vLLM's own key: vLLM sets ``Request.session_id`` from it when the request carries no
+``X-Session-ID`` header and no body ``session_id``."""
+XARG_PREFIX: Final = "otelkv_"
+"""Keys otelkv owns in ``vllm_xargs``: the sidecar replaces any a client sent."""
+XARG_TRACEPARENT_MAX_CHARS: Final = 128
 
 # --------------------------------------------------------------------------------------
 # Attribute keys of the reference fleet (router and agent driver)
@@ -347,6 +365,19 @@ REQUEST_OUTCOMES: Final = (
     OUTCOME_ERROR,
 )
 
+TRACE_CONTEXT_HEADERS: Final = "headers"
+"""vLLM's ``trace_headers`` (the request's ``traceparent``; needs ``--otlp-traces-endpoint``)."""
+TRACE_CONTEXT_BODY: Final = "body"
+"""``vllm_xargs.otelkv_traceparent``, written by the sidecar."""
+TRACE_CONTEXT_NONE: Final = "none"
+"""Neither: the engine request starts a trace of its own."""
+TRACE_CONTEXT_SOURCES: Final = (TRACE_CONTEXT_HEADERS, TRACE_CONTEXT_BODY, TRACE_CONTEXT_NONE)
+
+BODY_CONTEXT_USED: Final = "used"
+BODY_CONTEXT_MALFORMED: Final = "malformed"
+"""Present but not a traceparent otelkv writes (wrong type, too long, invalid): ignored."""
+BODY_CONTEXT_OUTCOMES: Final = (BODY_CONTEXT_USED, BODY_CONTEXT_MALFORMED)
+
 TOKEN_SOURCE_COMPUTED: Final = "computed"
 TOKEN_SOURCE_LOCAL_CACHE: Final = "local_cache"
 TOKEN_SOURCE_PULLED: Final = "pulled"
@@ -448,6 +479,8 @@ METRIC_RETAINED_BYTES: Final = "otelkv_kv_retained_bytes"
 """Gauge, label kind: bytes held right now for another engine to read."""
 METRIC_REQUESTS: Final = "otelkv_requests"
 """Counter, labels role, outcome: requests that ended on this engine."""
+METRIC_BODY_TRACE_CONTEXT: Final = "otelkv_body_trace_context"
+"""Counter, label outcome: trace contexts read from the body (``vllm_xargs``), used or ignored."""
 METRIC_INSTRUMENTATION_ERRORS: Final = "otelkv_instrumentation_errors"
 """Counter, label site: exceptions otelkv caught inside its own code (fail-open)."""
 
@@ -663,6 +696,12 @@ ENGINE_METRICS: Final = (
         COUNTER,
         (LABEL_ROLE, LABEL_OUTCOME),
         "Requests that ended on this engine, by P/D role and outcome.",
+    ),
+    Metric(
+        METRIC_BODY_TRACE_CONTEXT,
+        COUNTER,
+        (LABEL_OUTCOME,),
+        "Trace contexts read from the request body (vllm_xargs) when the headers had none, used or ignored.",
     ),
     Metric(
         METRIC_INSTRUMENTATION_ERRORS,

@@ -53,6 +53,12 @@ def add_sidecar_command(sub: argparse._SubParsersAction) -> None:  # type: ignor
         "--no-session-header", action="store_true", help="do not add X-Session-ID to upstream requests"
     )
     p.add_argument(
+        "--no-body-context",
+        action="store_true",
+        help="do not write the turn's traceparent and conversation id into completion bodies' "
+        "vllm_xargs (they reach the engines through routers that drop headers)",
+    )
+    p.add_argument(
         "--conversation-id-max-chars",
         type=int,
         default=MAX_ID_CHARS,
@@ -93,6 +99,7 @@ def run_sidecar(args: argparse.Namespace) -> int:
         retention_days=args.retention_days,
         inject_session_header=not args.no_session_header,
         inject_body_conversation_id=args.body_conversation_id,
+        inject_body_context=not args.no_body_context,
         conversation_id_max_chars=args.conversation_id_max_chars,
         hash_conversation_ids=args.hash_conversation_ids,
     )

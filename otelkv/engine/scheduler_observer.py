@@ -165,9 +165,13 @@ class SchedulerObserver:
         request_id = request.request_id
         role = role_of(request.kv_transfer_params)
         parent = _parse_traceparent(request.trace_headers)
+        source = names.TRACE_CONTEXT_HEADERS
+        if parent is None:
+            parent, source = self._body_parent(request)
         base = base_request_id(request_id)
         attrs = dict(self._static_attrs)
         attrs[names.ROLE] = role
+        attrs[names.TRACE_CONTEXT_SOURCE] = source
         attrs[names.REQUEST_ID] = request_id
         attrs[names.GEN_AI_REQUEST_ID] = base
         if request.session_id:
@@ -186,6 +190,25 @@ class SchedulerObserver:
             attributes=attrs,
             prompt_tokens=int(request.num_prompt_tokens or 0),
         )
+
+    def _body_parent(self, request: Any) -> tuple[tuple[int, int, int] | None, str]:
+        """The parent the sidecar wrote into the body (``vllm_xargs``) when the headers had none.
+
+        vLLM passes ``trace_headers`` only with ``--otlp-traces-endpoint`` on and only if the
+        router forwarded them; the body survives routers that copy it. A value that is not a
+        traceparent as the sidecar writes it is ignored and counted.
+        """
+        params = getattr(request, "sampling_params", None)
+        xargs = getattr(params, "extra_args", None)
+        value = xargs.get(names.XARG_TRACEPARENT) if isinstance(xargs, dict) else None
+        if value is None:
+            return None, names.TRACE_CONTEXT_NONE
+        parent = None
+        if isinstance(value, str) and len(value) <= names.XARG_TRACEPARENT_MAX_CHARS:
+            parent = _parse_traceparent({"traceparent": value})
+        outcome = names.BODY_CONTEXT_USED if parent else names.BODY_CONTEXT_MALFORMED
+        self._count(names.METRIC_BODY_TRACE_CONTEXT, outcome)
+        return parent, (names.TRACE_CONTEXT_BODY if parent else names.TRACE_CONTEXT_NONE)
 
     @guarded("get_num_new_matched_tokens")
     def on_matched(self, request: Any, num_computed_tokens: int, result: tuple[int | None, bool]) -> None:

@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,13 @@ class FleetConfig:
     router export their spans to it, and it keeps them in its store (``sidecar_store``)."""
     sidecar_store: Path | None = None
     """The sidecar's chDB directory (default: ``store`` in the fleet's workdir)."""
+    vllm_tracing: bool = True
+    """Start the engines with ``--otlp-traces-endpoint`` (vLLM then keeps an incoming
+    ``traceparent``). False: vLLM's tracing off, as on most fleets; otelkv's spans still
+    go to the same endpoint (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``)."""
+    router_factory: Callable[[str, str], Any] | None = None
+    """A router other than the reference one: called with the prefill and decode URLs, it
+    returns an object with ``start(port)`` (returning itself), ``stop()`` and ``url``."""
     warmup: bool = True
     """Run one short conversation before handing the fleet over, so the NIXL handshakes
     (prefill->decode and decode->prefill) happen while the machine is quiet: vLLM gives a
@@ -96,7 +104,7 @@ class Fleet:
         self.sink: SpanSink | None = None
         self.prefill: Engine | None = None
         self.decode: Engine | None = None
-        self.router: PDRouter | None = None
+        self.router: Any = None
         self.sidecar: Any = None
         self._provider: Any = None
         self.tracer: trace.Tracer | None = None
@@ -135,9 +143,16 @@ class Fleet:
             "recompute_threshold": cfg.recompute_threshold,
             "load_failure_policy": cfg.load_failure_policy,
             "max_model_len": cfg.max_model_len,
-            "otlp_traces_endpoint": endpoint,
+            "otlp_traces_endpoint": endpoint if cfg.vllm_tracing else None,
             "otelkv_extra": {names.CONFIG_STUCK_AFTER_SECONDS: cfg.stuck_after_s} if cfg.instrumented else {},
-            "env": dict(cfg.engine_env),
+            "env": {
+                **(
+                    {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}
+                    if endpoint and not cfg.vllm_tracing
+                    else {}
+                ),
+                **cfg.engine_env,
+            },
             "nixl_progress_thread": cfg.as_vllm_starts,
             "own_kv_core": not cfg.as_vllm_starts,
         }
@@ -175,13 +190,16 @@ class Fleet:
             ]:
                 future.result()
         logger.info("fleet engines ready in %.0fs (logs in %s)", time.monotonic() - started, self.workdir)
-        self.router = PDRouter(
-            self.prefill.url,
-            self.decode.url,
-            handle_ttl_s=cfg.effective_router_ttl(),
-            stream_decode=cfg.stream_decode,
-            tracer=self.tracer if cfg.trace_router else None,
-        ).start(router_port)
+        if cfg.router_factory is not None:
+            self.router = cfg.router_factory(self.prefill.url, self.decode.url).start(router_port)
+        else:
+            self.router = PDRouter(
+                self.prefill.url,
+                self.decode.url,
+                handle_ttl_s=cfg.effective_router_ttl(),
+                stream_decode=cfg.stream_decode,
+                tracer=self.tracer if cfg.trace_router else None,
+            ).start(router_port)
         if cfg.warmup:
             self._warm_up()
 

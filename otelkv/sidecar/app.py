@@ -58,6 +58,9 @@ class SidecarConfig:
     retention_days: int = 7
     inject_session_header: bool = True
     inject_body_conversation_id: bool = False
+    inject_body_context: bool = True
+    """Write the turn's traceparent and conversation id into completion bodies' ``vllm_xargs``
+    (for routers that copy the body but drop headers; vLLM hands them to the engines)."""
     conversation_id_max_chars: int = MAX_ID_CHARS
     """Client conversation ids longer than this are replaced by ``h-`` + a hash of them."""
     hash_conversation_ids: bool = False
@@ -146,6 +149,7 @@ class Sidecar:
             max_body_bytes=config.max_body_bytes,
             inject_session_header=config.inject_session_header,
             inject_body_conversation_id=config.inject_body_conversation_id,
+            inject_body_context=config.inject_body_context,
             id_policy=policy,
         )
         self.receiver = OtlpReceiver(self.pipeline, self.metrics)

@@ -41,6 +41,7 @@ class ProxyProcess:
         max_body_bytes: int = 32 * 1024 * 1024,
         inject_session_header: bool = True,
         inject_body_conversation_id: bool = False,
+        inject_body_context: bool = True,
         id_policy: IdPolicy = DEFAULT_POLICY,
     ) -> None:
         self.on_turns = on_turns
@@ -53,6 +54,7 @@ class ProxyProcess:
             "--inject-body-conversation-id"
             if inject_body_conversation_id
             else "--no-inject-body-conversation-id",
+            "--inject-body-context" if inject_body_context else "--no-inject-body-context",
             *("--conversation-id-max-chars", str(id_policy.max_chars)),
             "--hash-conversation-ids" if id_policy.hash_all else "--no-hash-conversation-ids",
         ]

@@ -68,6 +68,7 @@ class Worker:
             self.emit,
             inject_session_header=args.inject_session_header,
             inject_body_conversation_id=args.inject_body_conversation_id,
+            inject_body_context=args.inject_body_context,
             id_policy=IdPolicy(args.conversation_id_max_chars, args.hash_conversation_ids),
         )
         self.relay: Relay | None = None
@@ -158,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
     parser.add_argument("--inject-session-header", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--inject-body-conversation-id", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--inject-body-context", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--conversation-id-max-chars", type=int, default=MAX_ID_CHARS)
     parser.add_argument("--hash-conversation-ids", action=argparse.BooleanOptionalAction, default=False)
     return parser

@@ -153,6 +153,37 @@ class _Turn:
         )
 
 
+def body_with_context(
+    body: bytes, parsed: dict[str, Any], *, traceparent: str, conversation_id: str | None
+) -> bytes:
+    """The request body with the turn's identity in ``vllm_xargs``, for routers that copy the
+    body to the engines but drop headers.
+
+    vLLM 0.32 hands ``vllm_xargs`` to the engine as ``SamplingParams.extra_args`` (where
+    otelkv's connector reads ``otelkv_traceparent``) and takes ``session_id`` from it when
+    the request has no ``X-Session-ID`` header and no body ``session_id``. Keys starting
+    with ``otelkv_`` that the client sent are replaced; the client's other keys and its own
+    ``session_id`` stay. A body without ``vllm_xargs`` gets the field spliced in before its
+    closing brace (no re-encoding of a long prompt); a ``vllm_xargs`` that is not an object
+    leaves the body as it came (vLLM will answer it).
+    """
+    client = parsed.get(names.BODY_XARGS)
+    if client is not None and not isinstance(client, dict):
+        return body
+    xargs = {k: v for k, v in (client or {}).items() if not str(k).startswith(names.XARG_PREFIX)}
+    xargs[names.XARG_TRACEPARENT] = traceparent
+    if conversation_id and names.XARG_SESSION_ID not in xargs and not parsed.get("session_id"):
+        xargs[names.XARG_SESSION_ID] = conversation_id
+    if names.BODY_XARGS not in parsed:
+        end = body.rstrip()
+        if end.endswith(b"}"):
+            inner = end[:-1].rstrip()
+            sep = b"" if inner.endswith(b"{") else b","
+            field = json.dumps({names.BODY_XARGS: xargs}, separators=(",", ":")).encode()[1:-1]
+            return inner + sep + field + b"}"
+    return json.dumps({**parsed, names.BODY_XARGS: xargs}).encode()
+
+
 class TurnWatcher:
     """The relay's observer: a :class:`_Turn` for each completion request, None otherwise."""
 
@@ -163,12 +194,14 @@ class TurnWatcher:
         tracker: ConversationTracker | None = None,
         inject_session_header: bool = True,
         inject_body_conversation_id: bool = False,
+        inject_body_context: bool = True,
         id_policy: IdPolicy = DEFAULT_POLICY,
     ) -> None:
         self.emit = emit
         self.tracker = tracker or ConversationTracker()
         self.inject_session_header = inject_session_header
         self.inject_body_conversation_id = inject_body_conversation_id
+        self.inject_body_context = inject_body_context
         self.id_policy = id_policy
         self._rand = random.Random()
 
@@ -221,8 +254,20 @@ class TurnWatcher:
             ):
                 extra.append((b"X-Session-ID", identity.conversation_id.encode("utf-8")))
             if self.inject_body_conversation_id and parsed is not None and "conversation_id" not in parsed:
-                body = json.dumps({**parsed, "conversation_id": identity.conversation_id}).encode()
+                parsed = {**parsed, "conversation_id": identity.conversation_id}
+                body = json.dumps(parsed).encode()
                 extra.append((b"Content-Type", b"application/json"))
+        if self.inject_body_context and parsed is not None:
+            new_body = body_with_context(
+                body,
+                parsed,
+                traceparent=f"00-{trace_id}-{span_id}-01",
+                conversation_id=identity.conversation_id if identity is not None else None,
+            )
+            if new_body is not body:
+                body = new_body
+                if not any(name == b"Content-Type" for name, _ in extra):
+                    extra.append((b"Content-Type", b"application/json"))
         turn = _Turn(
             arrival_ns=arrival_ns,
             emit=self.emit,

@@ -132,20 +132,26 @@ def test_identify_gives_encodable_ids(headers: dict[str, str], body: Any) -> Non
         max_size=4,
     ),
     inject_body=st.booleans(),
+    inject_context=st.booleans(),
 )
 def test_turn_watcher_never_raises_and_sends_encodable_headers(
-    body: bytes, headers: list[tuple[bytes, bytes]], inject_body: bool
+    body: bytes, headers: list[tuple[bytes, bytes]], inject_body: bool, inject_context: bool
 ) -> None:
     records: list[TurnRecord] = []
-    watcher = TurnWatcher(records.append, inject_body_conversation_id=inject_body)
+    watcher = TurnWatcher(
+        records.append, inject_body_conversation_id=inject_body, inject_body_context=inject_context
+    )
     turn, extra, sent = watcher.begin(
         Request(method=b"POST", url=b"/v1/chat/completions", headers=headers, body=body)
     )
     assert turn is not None
     for name, value in extra:
         assert value is None or (b"\r" not in value and b"\n" not in value), (name, value)
-    if not inject_body:
+    if not inject_body and not inject_context:
         assert sent == body
+    if inject_context and sent != body:  # a JSON object: the turn's context went in
+        xargs = json.loads(sent)["vllm_xargs"]
+        assert xargs["otelkv_traceparent"] == dict(extra)[b"traceparent"].decode()
     turn.response_head(200, [(b"content-type", b"application/json")])
     turn.response_body(body)
     turn.finish(200, None)

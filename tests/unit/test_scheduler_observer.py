@@ -261,6 +261,54 @@ def test_untraced_requests_still_count() -> None:
     assert "otelkv_pull_decisions_total" not in m.names()
 
 
+def _finish_one(observer: Any, req: Any) -> None:
+    observer.on_new_request(req)
+    observer.on_matched(req, 0, (0, False))
+    observer.on_alloc(req, 0)
+    observer.on_finished(req, [[1]], (False, None))
+
+
+@pytest.mark.parametrize(
+    ("headers", "xargs", "parent", "source", "counted"),
+    [
+        # vLLM tracing off or headers dropped by the router: the body's context is the parent.
+        (None, {"otelkv_traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}, PARENT_ID, "body", "used"),
+        # Headers win over the body (nothing read from it, nothing counted).
+        (
+            {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
+            {"otelkv_traceparent": f"00-{'1' * 32}-{'2' * 16}-01"},
+            PARENT_ID,
+            "headers",
+            None,
+        ),
+        (None, {"otelkv_traceparent": "00-zz-yy-01"}, None, "none", "malformed"),
+        (None, {"otelkv_traceparent": 42}, None, "none", "malformed"),
+        (None, {"otelkv_traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01" + "x" * 200}, None, "none", "malformed"),
+        (None, {"other": "x"}, None, "none", None),
+        (None, None, None, "none", None),
+    ],
+)
+def test_trace_context_from_the_body_when_the_headers_have_none(
+    headers: Any, xargs: Any, parent: str | None, source: str, counted: str | None
+) -> None:
+    observer, exporter = make_observer()
+    req = make_request(None)
+    req.trace_headers = headers
+    req.sampling_params = SimpleNamespace(extra_args=xargs)
+    _finish_one(observer, req)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes[names.TRACE_CONTEXT_SOURCE] == source
+    if parent is None:
+        assert span.parent is None
+    else:
+        assert format(span.parent.span_id, "016x") == parent
+        assert format(span.context.trace_id, "032x") == TRACE_ID
+    m = exposed(observer.take_payload() or {})
+    for outcome in names.BODY_CONTEXT_OUTCOMES:
+        expected = 1 if outcome == counted else None
+        assert m.value("otelkv_body_trace_context_total", outcome=outcome) == expected
+
+
 def test_a_mismatch_with_the_connector_is_counted_not_published() -> None:
     observer, exporter = make_observer()
     req = make_request(HANDLE)

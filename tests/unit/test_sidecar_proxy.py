@@ -328,7 +328,9 @@ def _last_received(upstream: Upstream, path: str) -> dict[str, Any]:
 def test_upstream_gets_traceparent_session_header_and_unchanged_body(
     sidecar: tuple[Sidecar, Turns], upstream: Upstream
 ) -> None:
-    """Downstream sees the turn span as parent, the conversation id, and the body byte for byte."""
+    """Downstream sees the turn span as parent, the conversation id, and the client's body
+    byte for byte up to its closing brace, where the same identity is spliced in as
+    ``vllm_xargs`` (for routers that drop the headers)."""
     sc, turns = sidecar
     raw = b'{ "model":"m",  "messages":[{"role":"user","content":"caf\\u00e9 \xc3\xa9"}], "zzz": 1 }'
     status, _, _ = request(
@@ -339,13 +341,29 @@ def test_upstream_gets_traceparent_session_header_and_unchanged_body(
     )
     assert status == 200
     got = _last_received(upstream, "/v1/chat/completions?x=1&y=%20")
-    assert got["body"] == raw
     assert got["headers"]["Content-Type"] == "application/json"
     assert got["headers"]["X-Session-ID"] == "sess-c"
     span = turns.wait("sess-c", 0)
     version, trace_id, parent_id, _flags = got["headers"]["traceparent"].split("-")
     assert (version, trace_id, parent_id) == ("00", span.trace_id, span.span_id)
     assert span.parent_span_id == ""
+    kept = raw.rstrip()[:-1].rstrip()  # everything before the closing brace
+    assert got["body"].startswith(kept + b",")
+    assert json.loads(got["body"]) == {
+        **json.loads(raw),
+        "vllm_xargs": {"otelkv_traceparent": got["headers"]["traceparent"], "session_id": "sess-c"},
+    }
+
+
+def test_no_body_context_forwards_the_body_byte_for_byte(upstream: Upstream) -> None:
+    sc, _ = _start(upstream.url, inject_body_context=False, token=None)
+    try:
+        raw = b'{ "model":"m",  "messages":[{"role":"user","content":"caf\\u00e9"}], "zzz": 1 }'
+        status, _, _ = request("POST", sc.url + "/v1/chat/completions", body=raw, headers=JSON_CT)
+        assert status == 200
+        assert _last_received(upstream, "/v1/chat/completions")["body"] == raw
+    finally:
+        sc.stop()
 
 
 def test_fingerprint_id_is_sent_as_session_header(sidecar: tuple[Sidecar, Turns], upstream: Upstream) -> None:
@@ -355,7 +373,7 @@ def test_fingerprint_id_is_sent_as_session_header(sidecar: tuple[Sidecar, Turns]
     request("POST", sc.url + "/v1/chat/completions", body=body, headers=JSON_CT)
     got = _last_received(upstream, "/v1/chat/completions")
     cid = got["headers"]["X-Session-ID"]
-    assert cid.startswith("fp-") and got["body"] == body
+    assert cid.startswith("fp-") and json.loads(got["body"])["vllm_xargs"]["session_id"] == cid
     span = turns.wait(cid, 0)
     assert span.attributes[names.CONVERSATION_INFERRED] is True
     assert span.attributes[names.CONVERSATION_ID_SOURCE] == "fingerprint"
@@ -386,7 +404,7 @@ def test_client_traceparent_becomes_the_turn_parent(
 
 def test_inject_body_conversation_id(upstream: Upstream) -> None:
     """With inject_body_conversation_id the upstream body gains conversation_id (unless present)."""
-    sc, _ = _start(upstream.url, inject_body_conversation_id=True, token=None)
+    sc, _ = _start(upstream.url, inject_body_conversation_id=True, inject_body_context=False, token=None)
     try:
         request(
             "POST",

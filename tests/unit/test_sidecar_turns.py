@@ -90,10 +90,15 @@ def test_turn_joins_the_client_trace_and_replaces_its_context_upstream() -> None
         ],
     )
     exchange, extra, body = watcher.begin(req)
-    assert exchange is not None and body == req.body
+    assert exchange is not None
     sent = dict(extra)
     version, trace_id, span_id, flags = sent[b"traceparent"].decode().split("-")
     assert (version, trace_id, flags) == ("00", TRACE, "01") and span_id != PARENT
+    # The same context and the conversation id in the body, for routers that drop headers.
+    assert json.loads(body) == {
+        **json.loads(req.body),
+        "vllm_xargs": {"otelkv_traceparent": sent[b"traceparent"].decode(), "session_id": "conv-1"},
+    }
     assert sent[b"tracestate"] == b"vendor=1"
     assert sent[b"X-Session-ID"] == b"conv-1"
     exchange.response_head(200, [(b"Content-Type", b"application/json")])
@@ -249,3 +254,30 @@ def test_forwarded_span_encodes_to_the_same_span() -> None:
     assert back.status_code == "Error" and back.trace_state == "vendor=1"
     assert back.attributes[names.GEN_AI_CONVERSATION_ID] == "c"
     assert back.scope_name == names.SCOPE_SIDECAR and back.resource["service.name"] == "s"
+
+
+def test_body_context_is_spliced_replaces_otelkv_keys_and_keeps_the_clients() -> None:
+    from otelkv.sidecar.turn_watch import body_with_context
+
+    tp = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    raw = b'{"model": "m", "prompt": "caf\\u00e9"}  \n'
+    out = body_with_context(raw, json.loads(raw), traceparent=tp, conversation_id="c1")
+    assert out.startswith(b'{"model": "m", "prompt": "caf\\u00e9",')
+    assert json.loads(out)["vllm_xargs"] == {"otelkv_traceparent": tp, "session_id": "c1"}
+    assert json.loads(body_with_context(b"{ }", {}, traceparent=tp, conversation_id=None)) == {
+        "vllm_xargs": {"otelkv_traceparent": tp}
+    }
+    # A client's own xargs stay; its otelkv_* keys are replaced; its session id wins.
+    client = {
+        "vllm_xargs": {"otelkv_traceparent": "forged", "otelkv_x": 1, "top_k_hint": 3, "session_id": "s"}
+    }
+    out = json.loads(
+        body_with_context(json.dumps(client).encode(), client, traceparent=tp, conversation_id="c1")
+    )
+    assert out["vllm_xargs"] == {"top_k_hint": 3, "session_id": "s", "otelkv_traceparent": tp}
+    body = {"session_id": "body-s", "vllm_xargs": None}
+    out = json.loads(body_with_context(json.dumps(body).encode(), body, traceparent=tp, conversation_id="c1"))
+    assert out == {"session_id": "body-s", "vllm_xargs": {"otelkv_traceparent": tp}}
+    # Not an object: left for vLLM to refuse, byte for byte.
+    odd = b'{"vllm_xargs": [1]}'
+    assert body_with_context(odd, json.loads(odd), traceparent=tp, conversation_id="c1") is odd
