@@ -474,6 +474,11 @@ def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
     prev_response = prev.response_kv_params if prev else None
     prev_router = prev.router if prev else None
     streamed = prev_router.decode_streamed if prev_router else (router.decode_streamed if router else None)
+    streamed_source = "router" if streamed is not None else None
+    if streamed is None and prev is not None and prev.stream is True:
+        # No router span: the client's stream is what a pass-through router streams from
+        # the decode node, and vLLM 0.32 drops kv_transfer_params from streamed responses.
+        streamed, streamed_source = True, "client_stream"
     # The client-facing response's params are evidence only: routers usually strip them.
     if not (prev_returned is False or streamed is True):
         return None
@@ -488,6 +493,7 @@ def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
         "previous_kv_params_returned": prev_returned,
         "previous_response_kv_params": prev_response,
         "decode_streamed": streamed,
+        "decode_streamed_source": streamed_source,
         "tokens_recomputed": tokens,
     }
     why = "the decode call was streamed" if streamed else "the decode node returned no kv_transfer_params"
@@ -499,6 +505,47 @@ def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
         "Streamed responses of vLLM builds without kv_transfer_params in the final chunk give the router "
         "nothing to forward: have the router call the decode node non-streaming (or upgrade vLLM), and "
         "check bidirectional_kv_xfer=true on the decode node.",
+        recompute_s(turn, tokens, ctx),
+    )
+
+
+@register(names.DIAG_ROUTER_KEPT_NO_HANDLE, "Router kept no decode handle")
+def check_router_kept_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The decode node handed back a handle for the previous, non-streamed turn, yet this
+    turn's prefill request carried none, and no router span says why: the router keeps no
+    handle between turns, or does not forward it (most example routers do neither)."""
+    prev = turn.previous
+    if not _not_first(turn) or turn.prefill is None or prev is None or prev.decode is None:
+        return None
+    if (
+        turn.prefill.reason != names.REASON_NO_DECODE_HANDLE
+        or turn.router is not None
+        or prev.router is not None
+    ):
+        return None
+    if prev.decode.kv_params_returned is not True or prev.stream is not False:
+        return None
+    if prev.decode.config.bidirectional is False:
+        return None  # bidirectional_off explains it
+    tokens = lost_tokens(turn)
+    evidence = {
+        "turn_index": turn.index,
+        "pull_reason": turn.prefill.reason,
+        "previous_kv_params_returned": True,
+        "previous_response_kv_params": prev.response_kv_params,
+        "previous_stream": False,
+        "router_span": False,
+        "tokens_recomputed": tokens,
+    }
+    return Diagnosis(
+        names.DIAG_ROUTER_KEPT_NO_HANDLE,
+        title(names.DIAG_ROUTER_KEPT_NO_HANDLE),
+        "The decode node handed back a handle for the previous turn, but this turn's prefill request "
+        f"carried none: the router keeps no handle between turns. Prefill recomputed {tokens} tokens.",
+        evidence,
+        "Have the router keep the decode response's kv_transfer_params per conversation and send them "
+        "with the conversation's next prefill request (with do_remote_decode=true); the sidecar's "
+        "X-Session-ID (or vllm_xargs.session_id) is a key it can use.",
         recompute_s(turn, tokens, ctx),
     )
 

@@ -41,11 +41,20 @@ COPYING = Conversation(
     ],
     stream=True,
 )
+NOT_KEPT = Conversation(
+    "conv-notkept",
+    [
+        Turn("write the migration plan for the billing database", 96),
+        Turn("what could go wrong", 32, pause_s=0.4),
+    ],
+)
 KEEPING = Conversation(
     "conv-keep",
     [
-        Turn("draft the quarterly capacity plan for the inference fleet", 48),
-        Turn("add a section on decode memory", 32, pause_s=0.4),
+        # Answers longer than the recompute threshold (64): what only the decode node holds
+        # (the previous answer) is worth a pull even where prefill caches the earlier prompt.
+        Turn("draft the quarterly capacity plan for the inference fleet", 96),
+        Turn("add a section on decode memory", 96, pause_s=0.4),
         Turn("and one on prefill throughput", 32, pause_s=0.4),
     ],
 )
@@ -65,13 +74,17 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 @pytest.fixture(scope="module")
 def results(fleet: Fleet) -> dict[str, list[TurnResult]]:
     driver = fleet.driver()
-    (copying,) = driver.run_sync([COPYING])
+    copying, not_kept = driver.run_sync([COPYING, NOT_KEPT])
     fleet.router.keep_handles = True  # the same router, now keeping handles (still no headers)
     try:
         (keeping,) = driver.run_sync([KEEPING])
     finally:
         fleet.router.keep_handles = False
-    out = {COPYING.conversation_id: copying, KEEPING.conversation_id: keeping}
+    out = {
+        COPYING.conversation_id: copying,
+        NOT_KEPT.conversation_id: not_kept,
+        KEEPING.conversation_id: keeping,
+    }
     for turns in out.values():
         assert all(t.ok for t in turns), ([(t.status, t.error) for t in turns], fleet.engine_log_lines())
     return out
@@ -90,7 +103,9 @@ def test_the_router_forwards_no_identity(fleet: Fleet, results: dict[str, list[T
     assert legs and all(set(headers) == {"X-Request-Id"} for _, headers in legs)
 
 
-@pytest.mark.parametrize("conversation", [COPYING.conversation_id, KEEPING.conversation_id])
+@pytest.mark.parametrize(
+    "conversation", [COPYING.conversation_id, NOT_KEPT.conversation_id, KEEPING.conversation_id]
+)
 def test_every_engine_request_joins_its_turn_through_the_body(
     fleet: Fleet, results: dict[str, list[TurnResult]], conversation: str
 ) -> None:
@@ -128,6 +143,32 @@ def test_why_shows_the_engine_facts_of_a_turn(fleet: Fleet, results: dict[str, l
     assert answer["prefill"]["reason"] == names.REASON_PULLED
     assert answer["prefill"]["tokens"]["pulled"] > 0 and answer["decode"] is not None
     assert answer["usage"]["input_tokens"] == answer["prefill"]["tokens"]["prompt"]
+
+
+def test_why_names_the_missing_handle_from_engine_and_sidecar_evidence(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    """No router span: the decode engines handed back handles, the next prefill requests got
+    none. Streamed to the client: vLLM 0.32 gave the router none; not streamed: it kept none."""
+    for conversation in (COPYING, NOT_KEPT):
+        for turn in results[conversation.conversation_id]:
+            _, decode = _engine_requests(fleet, turn)
+            assert decode[names.KV_PARAMS_RETURNED] is True
+    fleet.flush_store()
+    assert fleet.sidecar is not None
+    source = StoreSource(fleet.sidecar.store)
+    streamed = assert_valid(report.why(source, f"{COPYING.conversation_id}#1"))["turn"]
+    found = {d["id"]: d for d in streamed["diagnoses"]}
+    assert names.DIAG_DECODE_NO_HANDLE in found, streamed["diagnoses"]
+    assert found[names.DIAG_DECODE_NO_HANDLE]["evidence"]["decode_streamed_source"] == "client_stream"
+    assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in found
+    not_kept = assert_valid(report.why(source, f"{NOT_KEPT.conversation_id}#1"))["turn"]
+    found = {d["id"]: d for d in not_kept["diagnoses"]}
+    assert names.DIAG_ROUTER_KEPT_NO_HANDLE in found, not_kept["diagnoses"]
+    evidence = found[names.DIAG_ROUTER_KEPT_NO_HANDLE]["evidence"]
+    # What the previous turn left on decode: its 96 generated tokens at least.
+    assert evidence["previous_kv_params_returned"] is True and evidence["tokens_recomputed"] >= 96
+    assert names.DIAG_DECODE_NO_HANDLE not in found
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -739,3 +739,46 @@ def test_ranking_by_cost_and_json() -> None:
     assert found[0].id == names.DIAG_TOOL_WAIT_DOMINATES
     as_dict = diagnosis_object(found[1])
     assert set(as_dict) == {"id", "title", "failure", "summary", "evidence", "fix", "cost_s"}
+
+
+def _without_router(spans: list[SpanRecord]) -> list[SpanRecord]:
+    return [s for s in spans if not s.name.startswith("router")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_handle_behind_a_router_without_spans(stream: bool) -> None:
+    """A router otelkv did not write: the decode engine handed back a handle, the next prefill
+    request carried none. Not streamed: the router keeps none; streamed: vLLM 0.32 gave it none."""
+    prev, cur = pair(
+        prev_kw={"stream": stream, "decode": {names.KV_PARAMS_RETURNED: True}},
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE, names.PULL_DECISION: "recompute"},
+    )
+    turn = linked(_without_router(prev), _without_router(cur))
+    found = {d.id: d for d in diagnose(turn, Context(per_token_s=0.001))}
+    if stream:
+        assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in found
+        d = found[names.DIAG_DECODE_NO_HANDLE]
+        assert (d.evidence["decode_streamed"], d.evidence["decode_streamed_source"]) == (
+            True,
+            "client_stream",
+        )
+    else:
+        assert names.DIAG_DECODE_NO_HANDLE not in found
+        d = found[names.DIAG_ROUTER_KEPT_NO_HANDLE]
+        assert d.evidence["previous_kv_params_returned"] is True and d.evidence["router_span"] is False
+        assert d.evidence["tokens_recomputed"] > 0 and d.cost_s > 0
+    # With the router's spans the router speaks for itself: no guess from the client's stream.
+    with_router = linked(prev, cur)
+    assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in ids(with_router)
+    # A decode node that returned nothing, or a turn that pulled, is not the router's doing.
+    prev_none, cur_none = pair(
+        prev_kw={"stream": False, "decode": {names.KV_PARAMS_RETURNED: False}},
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+    )
+    assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in ids(
+        linked(_without_router(prev_none), _without_router(cur_none))
+    )
+    prev_ok, cur_ok = pair(prev_kw={"stream": False, "decode": {names.KV_PARAMS_RETURNED: True}})
+    assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in ids(
+        linked(_without_router(prev_ok), _without_router(cur_ok))
+    )
