@@ -203,6 +203,9 @@ RETENTION_BLOCK_SECONDS: Final = "otelkv.retention.block_seconds"
 REQUEST_OUTCOME: Final = "otelkv.request.outcome"
 REQUEST_STATUS: Final = "otelkv.request.vllm_status"
 REMOTE_KV_WAIT_SECONDS: Final = "otelkv.request.remote_kv_wait_s"
+REQUEST_STREAMED: Final = "otelkv.request.streamed"
+"""The request asked vLLM for a stream (``SamplingParams.output_kind`` DELTA). On vLLM 0.32 a
+streamed response carries no ``kv_transfer_params``, whatever the engine handed back."""
 TRACE_CONTEXT_SOURCE: Final = "otelkv.trace_context.source"
 """Where the request's parent came from (:data:`TRACE_CONTEXT_SOURCES`)."""
 

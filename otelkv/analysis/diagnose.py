@@ -475,10 +475,10 @@ def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
     prev_router = prev.router if prev else None
     streamed = prev_router.decode_streamed if prev_router else (router.decode_streamed if router else None)
     streamed_source = "router" if streamed is not None else None
-    if streamed is None and prev is not None and prev.stream is True:
-        # No router span: the client's stream is what a pass-through router streams from
-        # the decode node, and vLLM 0.32 drops kv_transfer_params from streamed responses.
-        streamed, streamed_source = True, "client_stream"
+    if streamed is None and prev is not None and prev.decode is not None and prev.decode.streamed is not None:
+        # No router span: the decode engine says whether it was asked for a stream, and
+        # vLLM 0.32 drops kv_transfer_params from streamed responses.
+        streamed, streamed_source = prev.decode.streamed, "decode_request"
     # The client-facing response's params are evidence only: routers usually strip them.
     if not (prev_returned is False or streamed is True):
         return None
@@ -503,17 +503,18 @@ def check_decode_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
         f"The previous turn left no decode handle ({why}), so prefill recomputed {tokens} tokens.",
         evidence,
         "Streamed responses of vLLM builds without kv_transfer_params in the final chunk give the router "
-        "nothing to forward: have the router call the decode node non-streaming (or upgrade vLLM), and "
-        "check bidirectional_kv_xfer=true on the decode node.",
+        "nothing to forward: have the router call the decode node non-streaming (or upgrade vLLM), keep "
+        "the returned kv_transfer_params per conversation for the next prefill request, and check "
+        "bidirectional_kv_xfer=true on the decode node.",
         recompute_s(turn, tokens, ctx),
     )
 
 
 @register(names.DIAG_ROUTER_KEPT_NO_HANDLE, "Router kept no decode handle")
 def check_router_kept_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
-    """The decode node handed back a handle for the previous, non-streamed turn, yet this
-    turn's prefill request carried none, and no router span says why: the router keeps no
-    handle between turns, or does not forward it (most example routers do neither)."""
+    """The decode node handed back a handle for the previous turn's non-streamed decode call,
+    the KV was still held, yet this turn's prefill request carried none, and no router span
+    says why: the router keeps no handle between turns, or does not forward it."""
     prev = turn.previous
     if not _not_first(turn) or turn.prefill is None or prev is None or prev.decode is None:
         return None
@@ -523,17 +524,20 @@ def check_router_kept_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
         or prev.router is not None
     ):
         return None
-    if prev.decode.kv_params_returned is not True or prev.stream is not False:
-        return None
+    if prev.decode.kv_params_returned is not True or prev.decode.streamed is not False:
+        return None  # a streamed decode call: decode_returned_no_handle says so
     if prev.decode.config.bidirectional is False:
         return None  # bidirectional_off explains it
+    lapse = _Lapse.of(turn)
+    if lapse.expired or lapse.over:
+        return None  # the KV was gone: a router dropping the handle did right (ttl_lapsed_during_gap)
     tokens = lost_tokens(turn)
     evidence = {
         "turn_index": turn.index,
         "pull_reason": turn.prefill.reason,
         "previous_kv_params_returned": True,
         "previous_response_kv_params": prev.response_kv_params,
-        "previous_stream": False,
+        "previous_decode_streamed": False,
         "router_span": False,
         "tokens_recomputed": tokens,
     }
@@ -541,7 +545,7 @@ def check_router_kept_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
         names.DIAG_ROUTER_KEPT_NO_HANDLE,
         title(names.DIAG_ROUTER_KEPT_NO_HANDLE),
         "The decode node handed back a handle for the previous turn, but this turn's prefill request "
-        f"carried none: the router keeps no handle between turns. Prefill recomputed {tokens} tokens.",
+        f"carried none: the router kept or forwarded none. Prefill recomputed {tokens} tokens.",
         evidence,
         "Have the router keep the decode response's kv_transfer_params per conversation and send them "
         "with the conversation's next prefill request (with do_remote_decode=true); the sidecar's "

@@ -114,6 +114,8 @@ class Leg:
     threshold: int | None = None
     remote_kv_wait_s: float | None = None
     kv_params_returned: bool | None = None
+    streamed: bool | None = None
+    """The request asked vLLM for a stream (None: the engine did not say)."""
     transfer: Transfer | None = None
     retention: Retention | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
@@ -247,6 +249,7 @@ def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
         threshold=opt_int(a, names.KV_RECOMPUTE_THRESHOLD),
         remote_kv_wait_s=opt_float(a, names.REMOTE_KV_WAIT_SECONDS),
         kv_params_returned=opt_bool(a, names.KV_PARAMS_RETURNED),
+        streamed=opt_bool(a, names.REQUEST_STREAMED),
         config=config,
     )
     if leg.threshold is None:

@@ -171,6 +171,7 @@ def leg_object(leg: Leg | None) -> dict[str, Any] | None:
         "remote_kv_wait_s": r6(leg.remote_kv_wait_s),
         "pull_s": r6(pull_seconds(leg)),
         "kv_params_returned": leg.kv_params_returned,
+        "streamed": leg.streamed,
         "transfer": _transfer(leg.transfer),
         "retention": _retention(leg.retention),
         "config": _config(leg.config),

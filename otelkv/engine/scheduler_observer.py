@@ -172,6 +172,9 @@ class SchedulerObserver:
         attrs = dict(self._static_attrs)
         attrs[names.ROLE] = role
         attrs[names.TRACE_CONTEXT_SOURCE] = source
+        kind = getattr(getattr(getattr(request, "sampling_params", None), "output_kind", None), "name", None)
+        if kind in ("DELTA", "FINAL_ONLY", "CUMULATIVE"):
+            attrs[names.REQUEST_STREAMED] = kind == "DELTA"
         attrs[names.REQUEST_ID] = request_id
         attrs[names.GEN_AI_REQUEST_ID] = base
         if request.session_id:

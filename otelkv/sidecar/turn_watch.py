@@ -153,35 +153,47 @@ class _Turn:
         )
 
 
+def _is_json(content_type: str | None) -> bool:
+    """A JSON media type: vLLM refuses completion requests with any other (and so should the
+    sidecar leave them, so vLLM still can)."""
+    return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
+
+
 def body_with_context(
-    body: bytes, parsed: dict[str, Any], *, traceparent: str, conversation_id: str | None
+    body: bytes, parsed: dict[str, Any], *, traceparent: str, session_id: str | None
 ) -> bytes:
     """The request body with the turn's identity in ``vllm_xargs``, for routers that copy the
     body to the engines but drop headers.
 
     vLLM 0.32 hands ``vllm_xargs`` to the engine as ``SamplingParams.extra_args`` (where
     otelkv's connector reads ``otelkv_traceparent``) and takes ``session_id`` from it when
-    the request has no ``X-Session-ID`` header and no body ``session_id``. Keys starting
-    with ``otelkv_`` that the client sent are replaced; the client's other keys and its own
-    ``session_id`` stay. A body without ``vllm_xargs`` gets the field spliced in before its
-    closing brace (no re-encoding of a long prompt); a ``vllm_xargs`` that is not an object
-    leaves the body as it came (vLLM will answer it).
+    the request has no ``X-Session-ID`` header and no body ``session_id``: ``session_id`` is
+    the one the request's forwarded ``X-Session-ID`` carries (None: leave it out). Keys
+    starting with ``otelkv_`` that the client sent are replaced; the client's other keys and
+    its own ``session_id`` stay. A UTF-8 body without ``vllm_xargs`` gets the field spliced
+    in before its closing brace (no re-encoding of a long prompt); other bodies are
+    re-encoded as UTF-8. A ``vllm_xargs`` that is not an object leaves the body as it came
+    (vLLM will answer it).
     """
     client = parsed.get(names.BODY_XARGS)
     if client is not None and not isinstance(client, dict):
         return body
     xargs = {k: v for k, v in (client or {}).items() if not str(k).startswith(names.XARG_PREFIX)}
     xargs[names.XARG_TRACEPARENT] = traceparent
-    if conversation_id and names.XARG_SESSION_ID not in xargs and not parsed.get("session_id"):
-        xargs[names.XARG_SESSION_ID] = conversation_id
-    if names.BODY_XARGS not in parsed:
-        end = body.rstrip()
-        if end.endswith(b"}"):
-            inner = end[:-1].rstrip()
-            sep = b"" if inner.endswith(b"{") else b","
-            field = json.dumps({names.BODY_XARGS: xargs}, separators=(",", ":")).encode()[1:-1]
-            return inner + sep + field + b"}"
-    return json.dumps({**parsed, names.BODY_XARGS: xargs}).encode()
+    if session_id and names.XARG_SESSION_ID not in xargs and not parsed.get("session_id"):
+        xargs[names.XARG_SESSION_ID] = session_id
+    start = body.removeprefix(b"\xef\xbb\xbf").lstrip()
+    end = body.rstrip()
+    if names.BODY_XARGS not in parsed and start.startswith(b"{") and end.endswith(b"}"):
+        inner = end[:-1].rstrip()
+        sep = b"" if inner.endswith(b"{") else b","
+        field = json.dumps({names.BODY_XARGS: xargs}, separators=(",", ":")).encode()[1:-1]
+        return inner + sep + field + b"}"
+    out = {**parsed, names.BODY_XARGS: xargs}
+    try:
+        return json.dumps(out, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
+        return json.dumps(out).encode()
 
 
 class TurnWatcher:
@@ -257,17 +269,15 @@ class TurnWatcher:
                 parsed = {**parsed, "conversation_id": identity.conversation_id}
                 body = json.dumps(parsed).encode()
                 extra.append((b"Content-Type", b"application/json"))
-        if self.inject_body_context and parsed is not None:
-            new_body = body_with_context(
-                body,
-                parsed,
-                traceparent=f"00-{trace_id}-{span_id}-01",
-                conversation_id=identity.conversation_id if identity is not None else None,
+        if self.inject_body_context and parsed is not None and _is_json(headers.get("content-type")):
+            # The session id vLLM would read from the X-Session-ID this request goes on with.
+            sent = dict(extra).get(b"X-Session-ID")
+            session = None
+            if self.inject_session_header:
+                session = sent.decode("utf-8") if sent else headers.get("x-session-id", "").strip() or None
+            body = body_with_context(
+                body, parsed, traceparent=f"00-{trace_id}-{span_id}-01", session_id=session
             )
-            if new_body is not body:
-                body = new_body
-                if not any(name == b"Content-Type" for name, _ in extra):
-                    extra.append((b"Content-Type", b"application/json"))
         turn = _Turn(
             arrival_ns=arrival_ns,
             emit=self.emit,

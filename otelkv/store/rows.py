@@ -32,7 +32,6 @@ Links.TraceState AS LinksTraceState, Links.Attributes AS LinksAttributes"""
 """Select list whose rows :func:`row_to_span` reads (nanosecond integers, no time zones)."""
 
 
-
 def span_to_row(span: SpanRecord) -> tuple[Any, ...]:
     """Values in :data:`otelkv.store.schema.COLUMNS` order (Timestamp as integer ns since epoch)."""
     events = span.events or ()

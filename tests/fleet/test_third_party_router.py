@@ -149,18 +149,19 @@ def test_why_names_the_missing_handle_from_engine_and_sidecar_evidence(
     fleet: Fleet, results: dict[str, list[TurnResult]]
 ) -> None:
     """No router span: the decode engines handed back handles, the next prefill requests got
-    none. Streamed to the client: vLLM 0.32 gave the router none; not streamed: it kept none."""
+    none. Decode streamed: vLLM 0.32 gave the router none; not streamed: the router kept none."""
     for conversation in (COPYING, NOT_KEPT):
         for turn in results[conversation.conversation_id]:
             _, decode = _engine_requests(fleet, turn)
             assert decode[names.KV_PARAMS_RETURNED] is True
+            assert decode[names.REQUEST_STREAMED] is conversation.stream
     fleet.flush_store()
     assert fleet.sidecar is not None
     source = StoreSource(fleet.sidecar.store)
     streamed = assert_valid(report.why(source, f"{COPYING.conversation_id}#1"))["turn"]
     found = {d["id"]: d for d in streamed["diagnoses"]}
     assert names.DIAG_DECODE_NO_HANDLE in found, streamed["diagnoses"]
-    assert found[names.DIAG_DECODE_NO_HANDLE]["evidence"]["decode_streamed_source"] == "client_stream"
+    assert found[names.DIAG_DECODE_NO_HANDLE]["evidence"]["decode_streamed_source"] == "decode_request"
     assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in found
     not_kept = assert_valid(report.why(source, f"{NOT_KEPT.conversation_id}#1"))["turn"]
     found = {d["id"]: d for d in not_kept["diagnoses"]}

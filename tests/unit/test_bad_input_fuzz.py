@@ -142,14 +142,24 @@ def test_turn_watcher_never_raises_and_sends_encodable_headers(
         records.append, inject_body_conversation_id=inject_body, inject_body_context=inject_context
     )
     turn, extra, sent = watcher.begin(
-        Request(method=b"POST", url=b"/v1/chat/completions", headers=headers, body=body)
+        Request(
+            method=b"POST",
+            url=b"/v1/chat/completions",
+            headers=[(b"content-type", b"application/json"), *headers],
+            body=body,
+        )
     )
     assert turn is not None
     for name, value in extra:
         assert value is None or (b"\r" not in value and b"\n" not in value), (name, value)
     if not inject_body and not inject_context:
         assert sent == body
-    if inject_context and sent != body:  # a JSON object: the turn's context went in
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        parsed = None
+    if inject_context and isinstance(parsed, dict) and isinstance(parsed.get("vllm_xargs", {}), dict | None):
+        # A JSON object whose vllm_xargs (if any) is an object: the turn's context went in.
         xargs = json.loads(sent)["vllm_xargs"]
         assert xargs["otelkv_traceparent"] == dict(extra)[b"traceparent"].decode()
     turn.response_head(200, [(b"content-type", b"application/json")])

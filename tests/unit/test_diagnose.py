@@ -748,11 +748,11 @@ def _without_router(spans: list[SpanRecord]) -> list[SpanRecord]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_no_handle_behind_a_router_without_spans(stream: bool) -> None:
     """A router otelkv did not write: the decode engine handed back a handle, the next prefill
-    request carried none. Not streamed: the router keeps none; streamed: vLLM 0.32 gave it none."""
-    prev, cur = pair(
-        prev_kw={"stream": stream, "decode": {names.KV_PARAMS_RETURNED: True}},
-        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE, names.PULL_DECISION: "recompute"},
-    )
+    request carried none. Decode not streamed: the router kept none; streamed: vLLM 0.32 gave
+    the router none (the decode request says which, as otelkv.request.streamed)."""
+    decode = {names.KV_PARAMS_RETURNED: True, names.REQUEST_STREAMED: stream}
+    prefill = {names.PULL_REASON: names.REASON_NO_DECODE_HANDLE, names.PULL_DECISION: "recompute"}
+    prev, cur = pair(prev_kw={"stream": stream, "decode": decode}, prefill=prefill)
     turn = linked(_without_router(prev), _without_router(cur))
     found = {d.id: d for d in diagnose(turn, Context(per_token_s=0.001))}
     if stream:
@@ -760,25 +760,42 @@ def test_no_handle_behind_a_router_without_spans(stream: bool) -> None:
         d = found[names.DIAG_DECODE_NO_HANDLE]
         assert (d.evidence["decode_streamed"], d.evidence["decode_streamed_source"]) == (
             True,
-            "client_stream",
+            "decode_request",
         )
     else:
         assert names.DIAG_DECODE_NO_HANDLE not in found
         d = found[names.DIAG_ROUTER_KEPT_NO_HANDLE]
         assert d.evidence["previous_kv_params_returned"] is True and d.evidence["router_span"] is False
         assert d.evidence["tokens_recomputed"] > 0 and d.cost_s > 0
-    # With the router's spans the router speaks for itself: no guess from the client's stream.
-    with_router = linked(prev, cur)
-    assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in ids(with_router)
+    # With the router's spans the router speaks for itself.
+    with_router = {d.id: d for d in diagnose(linked(prev, cur))}
+    assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in with_router
+    assert names.DIAG_DECODE_NO_HANDLE not in with_router  # its span: a hit, not streamed
+    # A client stream alone says nothing about the decode call (routers re-emit streams).
+    client_only = {names.KV_PARAMS_RETURNED: True}
+    prev_c, cur_c = pair(prev_kw={"stream": True, "decode": client_only}, prefill=prefill)
+    found_c = ids(linked(_without_router(prev_c), _without_router(cur_c)))
+    assert names.DIAG_DECODE_NO_HANDLE not in found_c and names.DIAG_ROUTER_KEPT_NO_HANDLE not in found_c
     # A decode node that returned nothing, or a turn that pulled, is not the router's doing.
     prev_none, cur_none = pair(
-        prev_kw={"stream": False, "decode": {names.KV_PARAMS_RETURNED: False}},
-        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+        prev_kw={"decode": {names.KV_PARAMS_RETURNED: False, names.REQUEST_STREAMED: False}}, prefill=prefill
     )
     assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in ids(
         linked(_without_router(prev_none), _without_router(cur_none))
     )
-    prev_ok, cur_ok = pair(prev_kw={"stream": False, "decode": {names.KV_PARAMS_RETURNED: True}})
+    prev_ok, cur_ok = pair(prev_kw={"decode": decode})
     assert names.DIAG_ROUTER_KEPT_NO_HANDLE not in ids(
         linked(_without_router(prev_ok), _without_router(cur_ok))
     )
+
+
+def test_a_router_that_dropped_an_expired_handle_is_not_blamed() -> None:
+    decode = {names.KV_PARAMS_RETURNED: True, names.REQUEST_STREAMED: False}
+    prefill = {names.PULL_REASON: names.REASON_NO_DECODE_HANDLE, names.PULL_DECISION: "recompute"}
+    prev, cur = pair(
+        gap_s=50.0,
+        prev_kw={"decode": decode, "retention": {names.RETENTION_OUTCOME: names.RETENTION_EXPIRED}},
+        prefill=prefill,
+    )
+    found = ids(linked(_without_router(prev), _without_router(cur)), Context(per_token_s=0.001))
+    assert names.DIAG_TTL_LAPSED in found and names.DIAG_ROUTER_KEPT_NO_HANDLE not in found

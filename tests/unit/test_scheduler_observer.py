@@ -283,7 +283,13 @@ def _finish_one(observer: Any, req: Any) -> None:
         ),
         (None, {"otelkv_traceparent": "00-zz-yy-01"}, None, "none", "malformed"),
         (None, {"otelkv_traceparent": 42}, None, "none", "malformed"),
-        (None, {"otelkv_traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01" + "x" * 200}, None, "none", "malformed"),
+        (
+            None,
+            {"otelkv_traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01" + "x" * 200},
+            None,
+            "none",
+            "malformed",
+        ),
         (None, {"other": "x"}, None, "none", None),
         (None, None, None, "none", None),
     ],
@@ -307,6 +313,18 @@ def test_trace_context_from_the_body_when_the_headers_have_none(
     for outcome in names.BODY_CONTEXT_OUTCOMES:
         expected = 1 if outcome == counted else None
         assert m.value("otelkv_body_trace_context_total", outcome=outcome) == expected
+
+
+@pytest.mark.parametrize(("kind", "streamed"), [("DELTA", True), ("FINAL_ONLY", False), (None, None)])
+def test_whether_the_request_streamed_is_recorded(kind: str | None, streamed: bool | None) -> None:
+    observer, exporter = make_observer()
+    req = make_request(None)
+    req.sampling_params = SimpleNamespace(
+        extra_args=None, output_kind=SimpleNamespace(name=kind) if kind else None
+    )
+    _finish_one(observer, req)
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes.get(names.REQUEST_STREAMED) is streamed
 
 
 def test_a_mismatch_with_the_connector_is_counted_not_published() -> None:

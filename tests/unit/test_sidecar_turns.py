@@ -84,6 +84,7 @@ def test_turn_joins_the_client_trace_and_replaces_its_context_upstream() -> None
         _chat(),
         path=b"/v1/chat/completions?x=1",
         headers=[
+            (b"Content-Type", b"application/json"),
             (b"traceparent", f"00-{TRACE}-{PARENT}-01".encode()),
             (b"tracestate", b"vendor=1"),
             (b"X-Conversation-Id", b"conv-1"),
@@ -261,23 +262,65 @@ def test_body_context_is_spliced_replaces_otelkv_keys_and_keeps_the_clients() ->
 
     tp = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
     raw = b'{"model": "m", "prompt": "caf\\u00e9"}  \n'
-    out = body_with_context(raw, json.loads(raw), traceparent=tp, conversation_id="c1")
+    out = body_with_context(raw, json.loads(raw), traceparent=tp, session_id="c1")
     assert out.startswith(b'{"model": "m", "prompt": "caf\\u00e9",')
     assert json.loads(out)["vllm_xargs"] == {"otelkv_traceparent": tp, "session_id": "c1"}
-    assert json.loads(body_with_context(b"{ }", {}, traceparent=tp, conversation_id=None)) == {
+    assert json.loads(body_with_context(b"{ }", {}, traceparent=tp, session_id=None)) == {
         "vllm_xargs": {"otelkv_traceparent": tp}
     }
     # A client's own xargs stay; its otelkv_* keys are replaced; its session id wins.
     client = {
         "vllm_xargs": {"otelkv_traceparent": "forged", "otelkv_x": 1, "top_k_hint": 3, "session_id": "s"}
     }
-    out = json.loads(
-        body_with_context(json.dumps(client).encode(), client, traceparent=tp, conversation_id="c1")
-    )
+    out = json.loads(body_with_context(json.dumps(client).encode(), client, traceparent=tp, session_id="c1"))
     assert out["vllm_xargs"] == {"top_k_hint": 3, "session_id": "s", "otelkv_traceparent": tp}
     body = {"session_id": "body-s", "vllm_xargs": None}
-    out = json.loads(body_with_context(json.dumps(body).encode(), body, traceparent=tp, conversation_id="c1"))
+    out = json.loads(body_with_context(json.dumps(body).encode(), body, traceparent=tp, session_id="c1"))
     assert out == {"session_id": "body-s", "vllm_xargs": {"otelkv_traceparent": tp}}
     # Not an object: left for vLLM to refuse, byte for byte.
     odd = b'{"vllm_xargs": [1]}'
-    assert body_with_context(odd, json.loads(odd), traceparent=tp, conversation_id="c1") is odd
+    assert body_with_context(odd, json.loads(odd), traceparent=tp, session_id="c1") is odd
+
+
+def test_body_context_is_utf8_json_whatever_the_clients_encoding() -> None:
+    from otelkv.sidecar.turn_watch import body_with_context
+
+    tp = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    parsed = {"model": "m", "prompt": "ünï ✓"}
+    for raw in (json.dumps(parsed).encode("utf-16"), b"\xef\xbb\xbf" + json.dumps(parsed).encode()):
+        out = body_with_context(raw, parsed, traceparent=tp, session_id=None)
+        assert json.loads(out.removeprefix(b"\xef\xbb\xbf").decode("utf-8")) == {
+            **parsed,
+            "vllm_xargs": {"otelkv_traceparent": tp},
+        }
+    with_xargs = {"prompt": "ünï", "vllm_xargs": {}}
+    out = body_with_context(json.dumps(with_xargs).encode(), with_xargs, traceparent=tp, session_id=None)
+    assert "ünï".encode() in out  # re-encoded as UTF-8, not as \\u escapes
+
+
+def _sent(watcher: TurnWatcher, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[dict, bytes]:
+    _, extra, sent = watcher.begin(_request(body, path=b"/v1/chat/completions", headers=headers))
+    return dict(extra), sent
+
+
+def test_body_context_follows_the_session_header_and_the_content_type() -> None:
+    body = json.dumps(_chat()).encode()
+    json_ct = (b"Content-Type", b"application/json; charset=utf-8")
+    # The session id in the body is the one the forwarded X-Session-ID carries.
+    _, sent = _sent(
+        TurnWatcher(lambda r: None), [json_ct, (b"X-Session-ID", b"A"), (b"X-Conversation-Id", b"B")], body
+    )
+    assert json.loads(sent)["vllm_xargs"]["session_id"] == "A"
+    extra, sent = _sent(TurnWatcher(lambda r: None), [json_ct, (b"X-Conversation-Id", b"B")], body)
+    assert json.loads(sent)["vllm_xargs"]["session_id"] == "B" == extra[b"X-Session-ID"].decode()
+    # No session header injected: no session id in the body either; the context still goes.
+    _, sent = _sent(
+        TurnWatcher(lambda r: None, inject_session_header=False),
+        [json_ct, (b"X-Conversation-Id", b"B")],
+        body,
+    )
+    assert "session_id" not in json.loads(sent)["vllm_xargs"]
+    # Not JSON by its Content-Type: vLLM refuses it, so it goes on untouched.
+    for ct in ([(b"Content-Type", b"text/plain")], []):
+        extra, sent = _sent(TurnWatcher(lambda r: None), [*ct, (b"X-Conversation-Id", b"B")], body)
+        assert sent == body and b"Content-Type" not in extra

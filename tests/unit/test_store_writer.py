@@ -23,8 +23,11 @@ class FakeStore:
         self.batches: list[int] = []
         self.fail_first = fail_first
         self.gate = gate
+        self.entered = threading.Event()
+        """Set once the writer is inside insert_spans (holding its batch)."""
 
     def insert_spans(self, batch: Sequence[SpanRecord]) -> int:
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail_first > 0:
@@ -67,9 +70,7 @@ def test_full_queue_drops_new_spans_and_counts() -> None:
         on_drop=lambda r, n: drops.append((r, n)),
     )
     assert writer.submit(spans(10))
-    deadline = time.monotonic() + 5
-    while writer._in_flight != 10 and time.monotonic() < deadline:  # the writer holds them, stuck
-        time.sleep(0.005)
+    assert store.entered.wait(5)  # the writer holds the batch, stuck in the store
     assert writer.submit(spans(10))  # queue has room again
     assert not writer.submit(spans(5))  # full: the new spans are dropped
     assert writer.stats()["dropped_queue_full"] == 5 and writer.stats()["queued"] == 20
