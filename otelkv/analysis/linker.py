@@ -16,14 +16,7 @@ from otelkv import names
 from otelkv.analysis.model import Turn, build_turn
 from otelkv.analysis.sources import SpanSource, group_by_trace
 from otelkv.spans import SpanRecord, attr_float, attr_str, is_turn_span
-
-
-def one_per_trace(turn_spans: Sequence[SpanRecord]) -> list[SpanRecord]:
-    """The span that speaks for each trace's turn: the sidecar's, else the earliest."""
-    best: dict[str, SpanRecord] = {}
-    for span in sorted(turn_spans, key=lambda s: (s.scope_name != names.SCOPE_SIDECAR, s.start_ns)):
-        best.setdefault(span.trace_id, span)
-    return [s for s in turn_spans if best[s.trace_id] is s]
+from otelkv.spans.kinds import one_per_trace
 
 
 def load_turns(

@@ -20,11 +20,7 @@ from otelkv.spans import (
     is_turn_span,
     opt_int,
 )
-
-
-def _turn_rank(span: SpanRecord) -> tuple[bool, int]:
-    """Which turn span speaks for a trace or a turn: the sidecar's first, then the earliest."""
-    return (span.scope_name != names.SCOPE_SIDECAR, span.start_ns)
+from otelkv.spans.kinds import one_per_trace, turn_rank
 
 
 def group_by_trace(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
@@ -70,14 +66,8 @@ class InMemorySource:
 
     def __init__(self, spans: Iterable[SpanRecord]) -> None:
         self.spans = list(spans)
-        by_trace = group_by_trace(self.spans)
-        # One turn span per trace: the sidecar's, else an agent chat span with a turn index
-        # (the earliest of either), as the store's query picks it.
-        self._turns: list[SpanRecord] = []
-        for group in by_trace.values():
-            turns = [s for s in group if is_turn_span(s)]
-            if turns:
-                self._turns.append(min(turns, key=_turn_rank))
+        # One turn span per trace, picked as the store's query picks it.
+        self._turns = one_per_trace([s for s in self.spans if is_turn_span(s)])
 
     def turn_spans(
         self,
@@ -137,7 +127,7 @@ class InMemorySource:
             if attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
             and opt_int(s.attributes, names.TURN_INDEX) == index
         ]
-        return min(found, key=_turn_rank) if found else None
+        return min(found, key=turn_rank) if found else None
 
 
 class StoreSource:

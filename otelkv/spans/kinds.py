@@ -10,6 +10,8 @@ same predicates as ClickHouse SQL; a unit test holds the two to the same answers
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from otelkv import names
 from otelkv.spans.attrs import attr_str
 from otelkv.spans.record import SpanRecord
@@ -55,6 +57,20 @@ def is_agent_turn_span(span: SpanRecord) -> bool:
 def is_turn_span(span: SpanRecord) -> bool:
     """A span that defines a turn (sidecar's, or an agent's with a turn index)."""
     return is_sidecar_turn_span(span) or is_agent_turn_span(span)
+
+
+def turn_rank(span: SpanRecord) -> tuple[bool, int]:
+    """Which turn span speaks for a trace or a turn: the sidecar's first, then the earliest."""
+    return (span.scope_name != names.SCOPE_SIDECAR, span.start_ns)
+
+
+def one_per_trace(turn_spans: Sequence[SpanRecord]) -> list[SpanRecord]:
+    """The turn span that speaks for each trace (:func:`turn_rank`), in the given order.
+    :data:`otelkv.spans.sql.TURN_SPANS` queries pick the same with ``LIMIT 1 BY TraceId``."""
+    best: dict[str, SpanRecord] = {}
+    for span in sorted(turn_spans, key=turn_rank):
+        best.setdefault(span.trace_id, span)
+    return [s for s in turn_spans if best[s.trace_id] is s]
 
 
 def is_tool_span(span: SpanRecord) -> bool:
