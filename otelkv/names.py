@@ -133,6 +133,12 @@ KV_RECOMPUTE_THRESHOLD: Final = "otelkv.kv_recompute_threshold"
 DECODER_KV_BLOCKS_TTL: Final = "otelkv.decoder_kv_blocks_ttl"
 BIDIRECTIONAL_KV_XFER: Final = "otelkv.bidirectional_kv_xfer"
 KV_LOAD_FAILURE_POLICY: Final = "otelkv.kv_load_failure_policy"
+KV_BLOCK_SIZE: Final = "otelkv.kv_cache.block_size"
+"""vLLM ``cache_config.block_size``: prefill and decode must agree for a hand-off."""
+KV_CACHE_DTYPE: Final = "otelkv.kv_cache.dtype"
+"""The KV cache's element type in force (``cache_dtype``, or the model dtype when ``auto``)."""
+PREFIX_CACHING: Final = "otelkv.prefix_caching"
+"""vLLM ``cache_config.enable_prefix_caching``: the engine's own local prefix cache."""
 
 # --------------------------------------------------------------------------------------
 # otelkv attribute keys: tokens of one request
@@ -289,6 +295,22 @@ RESOURCE_PROCESS_KIND: Final = "otelkv.process.kind"
 # Closed vocabularies (metric labels take values only from these)
 # --------------------------------------------------------------------------------------
 
+JOIN_TRACE: Final = "trace"
+"""The engine requests continued the turn's trace (context through headers or the body)."""
+JOIN_INFERRED: Final = "inferred"
+"""The engine requests arrived in traces of their own and were matched to the turn."""
+JOIN_METHODS: Final = (JOIN_TRACE, JOIN_INFERRED)
+EVIDENCE_RESPONSE_ID: Final = "response_id"
+"""The turn's response ``id`` is the decode request's id (vLLM answers with its request id)."""
+EVIDENCE_ARRIVAL_WINDOW: Final = "arrival_window"
+"""The engine request ran inside the turn's request window."""
+EVIDENCE_PROMPT_TOKENS: Final = "prompt_tokens"
+"""The engine request's prompt tokens equal the turn's usage input tokens."""
+EVIDENCE_OUTPUT_TOKENS: Final = "output_tokens"
+"""The decode request's output tokens equal the turn's usage output tokens."""
+EVIDENCE_SHARED_REQUEST_ID: Final = "shared_request_id"
+"""The prefill request shares its request id with the decode request matched to the turn."""
+
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
 ROLE_UNIFIED: Final = "unified"
@@ -437,6 +459,7 @@ DIAG_BELOW_THRESHOLD: Final = "below_threshold"
 DIAG_NO_CONVERSATION_ID: Final = "no_conversation_id"
 DIAG_DECODE_NO_HANDLE: Final = "decode_returned_no_handle"
 DIAG_ROUTER_KEPT_NO_HANDLE: Final = "router_kept_no_handle"
+DIAG_ROUTER_FORWARDS_NO_IDENTITY: Final = "router_forwards_no_identity"
 DIAG_BIDIRECTIONAL_OFF: Final = "bidirectional_off"
 DIAG_PULL_SLOWER_THAN_RECOMPUTE: Final = "pull_slower_than_recompute"
 DIAG_EXPIRED_READ_FAILED: Final = "expired_read_failed_request"
@@ -448,6 +471,44 @@ DIAG_KV_READ_STARTED_LATE: Final = "kv_read_started_late"
 DIAG_QUEUEING: Final = "queueing"
 DIAG_TOOL_WAIT_DOMINATES: Final = "tool_wait_dominates"
 DIAG_APP_WORK_DOMINATES: Final = "app_work_dominates"
+
+# ``otelkv doctor``: the prerequisites of reverse reuse, each checked from traffic, the
+# engines' resource attributes and their /metrics.
+CHECK_PASS: Final = "pass"
+CHECK_WARN: Final = "warn"
+CHECK_FAIL: Final = "fail"
+CHECK_SKIP: Final = "skip"
+"""Not enough evidence in the window to say (no follow-up turn, one engine seen, ...)."""
+CHECK_STATUSES: Final = (CHECK_PASS, CHECK_WARN, CHECK_FAIL, CHECK_SKIP)
+CHECK_ENGINE_SPANS: Final = "engines_export_spans"
+CHECK_TURNS_JOINED: Final = "engine_requests_join_turns"
+CHECK_CONVERSATION_ID: Final = "conversation_id_reaches_engines"
+CHECK_HANDLE_FORWARDED: Final = "router_forwards_handle"
+CHECK_DECODE_NOT_STREAMED: Final = "decode_not_streamed"
+CHECK_BIDIRECTIONAL: Final = "bidirectional_on_both_nodes"
+CHECK_ENGINES_AGREE: Final = "engines_agree"
+CHECK_ROUTER_TTL: Final = "router_ttl_within_decode_ttl"
+CHECK_TTL_VS_GAPS: Final = "ttl_covers_gaps"
+CHECK_PREFIX_CACHE: Final = "prefill_prefix_cache_on"
+CHECK_LOAD_FAILURE_POLICY: Final = "kv_load_failure_policy"
+CHECK_CONTINUITY: Final = "continuity_verified"
+CHECKS: Final = (
+    CHECK_ENGINE_SPANS,
+    CHECK_TURNS_JOINED,
+    CHECK_CONVERSATION_ID,
+    CHECK_HANDLE_FORWARDED,
+    CHECK_DECODE_NOT_STREAMED,
+    CHECK_BIDIRECTIONAL,
+    CHECK_ENGINES_AGREE,
+    CHECK_ROUTER_TTL,
+    CHECK_TTL_VS_GAPS,
+    CHECK_PREFIX_CACHE,
+    CHECK_LOAD_FAILURE_POLICY,
+    CHECK_CONTINUITY,
+)
+CONTINUITY_VERIFY: Final = "otelkv.continuity.verify"
+"""Resource attribute: the engine checks that KV it reads belongs to the prompt (absent: it
+does not; vLLM 0.32 trusts the decode handle)."""
 
 # Flags of ``otelkv tune`` (stable ids: settings that are clearly wrong, documented in docs/tune.md).
 TUNE_ROUTER_TTL_ABOVE_DECODE_TTL: Final = "router_ttl_above_decode_ttl"

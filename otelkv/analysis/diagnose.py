@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from otelkv import names
-from otelkv.analysis.model import Leg, Retention, Turn
+from otelkv.analysis.model import SOURCE_SIDECAR, Leg, Retention, Turn
 
 QUEUEING_MIN_S = 0.25
 """Unexplained input processing below this is noise (HTTP, tokenization), not queueing."""
@@ -551,6 +551,52 @@ def check_router_kept_no_handle(turn: Turn, ctx: Context) -> Diagnosis | None:
         "with the conversation's next prefill request (with do_remote_decode=true); the sidecar's "
         "X-Session-ID (or vllm_xargs.session_id) is a key it can use.",
         recompute_s(turn, tokens, ctx),
+    )
+
+
+@register(names.DIAG_ROUTER_FORWARDS_NO_IDENTITY, "Router forwards no identity to the engines")
+def check_router_forwards_no_identity(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The engines served the turn without its trace context (their requests were joined to
+    it by inference) or without its conversation id: the router rebuilt the body, dropping
+    the ``vllm_xargs`` the sidecar wrote, and forwarded no ``traceparent``/``X-Session-ID``."""
+    legs = _legs(turn)
+    if turn.source != SOURCE_SIDECAR or not legs or turn.join is None:
+        return None
+    inferred = turn.join.method == names.JOIN_INFERRED
+    # Only engines that say where their context came from (otelkv's observer) vouch that no
+    # id reached them; a span without that attribute may come from a recorder that never kept it.
+    no_id = [
+        leg.role
+        for leg in legs
+        if turn.conversation_id and leg.context_source is not None and not leg.conversation_id
+    ]
+    if not inferred and not no_id:
+        return None
+    lost = []
+    if inferred:
+        lost.append("the turn's trace context")
+    if no_id:
+        lost.append("its conversation id")
+    joined = (
+        f"otelkv joined them to this turn by inference ({', '.join(turn.join.evidence)})"
+        if inferred
+        else "they still joined this turn's trace"
+    )
+    return Diagnosis(
+        names.DIAG_ROUTER_FORWARDS_NO_IDENTITY,
+        title(names.DIAG_ROUTER_FORWARDS_NO_IDENTITY),
+        f"The engines received {' and '.join(lost)}: neither the body's vllm_xargs nor a traceparent or "
+        f"X-Session-ID header reached them; {joined}.",
+        {
+            "join": turn.join.method,
+            "join_evidence": list(turn.join.evidence),
+            "trace_context_source": {leg.role: leg.context_source for leg in legs},
+            "engines_without_conversation_id": no_id,
+        },
+        "Keep the request body's vllm_xargs when the router rebuilds the body (the sidecar writes the turn's "
+        "traceparent and session_id there), or forward traceparent and X-Session-ID to both legs with "
+        "vLLM's --otlp-traces-endpoint on. Inferred joins fail when concurrent turns look alike.",
+        0.0,
     )
 
 

@@ -13,10 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from otelkv import names
-from otelkv.analysis.model import Turn, build_turn
+from otelkv.analysis import inferred_join
+from otelkv.analysis.model import EngineJoin, Turn, build_turn
 from otelkv.analysis.sources import SpanSource, group_by_trace
-from otelkv.spans import SpanRecord, attr_float, attr_str, is_turn_span
-from otelkv.spans.kinds import one_per_trace
+from otelkv.spans import SpanRecord, attr_float, attr_str, is_engine_request, is_turn_span, opt_int, opt_str
+from otelkv.spans.kinds import one_per_trace, turn_rank
+
+ORPHAN_LIMIT = 20_000
+"""Most engine requests without a parent read to join one batch of turns by inference."""
+NEIGHBOUR_LOOKBACK_S = 600.0
+"""How long before an orphan engine request a turn that could have sent it may have started."""
 
 
 def load_turns(
@@ -27,7 +33,9 @@ def load_turns(
     fetched: dict[str, list[SpanRecord]] | None = None,
 ) -> list[Turn]:
     """Model the given turn spans (one turn per trace), each linked to its previous turn, in
-    two or three queries. ``fetched``: traces already read (trace id -> spans), not read again."""
+    two or three queries (three more when some turn's engine requests came in traces of
+    their own and are joined by inference, :func:`infer_joins`). ``fetched``: traces
+    already read (trace id -> spans), not read again."""
     turn_spans = one_per_trace(turn_spans)
     if not turn_spans:
         return []
@@ -42,6 +50,9 @@ def load_turns(
         group = by_trace.setdefault(span.trace_id, [])
         if not any(s.span_id == span.span_id for s in group):
             group.append(span)
+    inferred = infer_joins(source, by_trace)
+    for join, spans in inferred.values():
+        by_trace[join.turn_trace_id] = by_trace[join.turn_trace_id] + spans
     lo = min(s.start_ns - int(attr_float(s.attributes, names.TURN_GAP_SECONDS) * 1e9) for s in turn_spans)
     hi = max(s.start_ns for s in turn_spans)
     tools: list[SpanRecord] = []
@@ -54,6 +65,8 @@ def load_turns(
     previous: dict[str, Turn | None] = {}
     for pid in set(p for p in prev_ids if p) - set(wanted):
         previous[pid] = build_turn(by_trace.get(pid, []), tool_spans=tools)
+        if previous[pid] is not None and pid in inferred:
+            previous[pid].join = EngineJoin(names.JOIN_INFERRED, inferred[pid][0].evidence)  # type: ignore[union-attr]
     out: list[Turn] = []
     built: dict[str, Turn] = {}
     # Oldest first, so a turn whose predecessor is also wanted links to the full model of it.
@@ -61,6 +74,8 @@ def load_turns(
         pid = attr_str(span.attributes, names.TURN_PREVIOUS_TRACE_ID)
         prev = built.get(pid) or previous.get(pid)
         turn = build_turn(by_trace[span.trace_id], tool_spans=tools, previous=prev)
+        if turn is not None and span.trace_id in inferred:
+            turn.join = EngineJoin(names.JOIN_INFERRED, inferred[span.trace_id][0].evidence)
         if turn is not None:
             built[span.trace_id] = turn
             out.append(turn)
@@ -101,3 +116,80 @@ def load_trace(source: SpanSource, trace_id: str, spans: Sequence[SpanRecord]) -
         if turns:
             return turns[0]
     return build_turn(spans)
+
+
+def _facts(span: SpanRecord) -> inferred_join.TurnFacts:
+    a = span.attributes
+    return inferred_join.TurnFacts(
+        trace_id=span.trace_id,
+        start_ns=span.start_ns,
+        end_ns=span.end_ns,
+        input_tokens=opt_int(a, names.GEN_AI_USAGE_INPUT_TOKENS),
+        output_tokens=opt_int(a, names.GEN_AI_USAGE_OUTPUT_TOKENS),
+        response_id=opt_str(a, names.GEN_AI_RESPONSE_ID),
+    )
+
+
+def infer_joins(
+    source: SpanSource, by_trace: dict[str, list[SpanRecord]]
+) -> dict[str, tuple[inferred_join.Join, list[SpanRecord]]]:
+    """For the turns in ``by_trace`` whose trace holds no engine request: the engine requests
+    that arrived in traces of their own and :func:`otelkv.analysis.inferred_join.match` ties
+    to them (turn trace id -> the join and the engine traces' spans).
+
+    The candidates are every turn the orphan requests could belong to, loaded or not, so a
+    turn's join is the same whichever verb asked for it. Nothing is read when every turn
+    has its engine requests (a fleet whose identity reaches the engines).
+    """
+    bare: dict[str, SpanRecord] = {}
+    for tid, spans in by_trace.items():
+        turns = [s for s in spans if is_turn_span(s)]
+        if turns and not any(is_engine_request(s) for s in spans):
+            bare[tid] = min(turns, key=turn_rank)
+    if not bare:
+        return {}
+    tol = int(inferred_join.TOLERANCE_S * 1e9)
+    roots = source.engine_requests(
+        since_ns=min(s.start_ns for s in bare.values()) - tol,
+        until_ns=max(s.end_ns for s in bare.values()) + tol,
+        roots_only=True,
+        limit=ORPHAN_LIMIT,
+    )
+    if not roots:
+        return {}
+    orphan_spans = {
+        tid: spans
+        for tid, spans in group_by_trace(source.trace_spans([r.trace_id for r in roots])).items()
+        if not any(is_turn_span(s) for s in spans)
+    }
+    orphans = []
+    for tid, spans in orphan_spans.items():
+        engine_turn = build_turn(spans)
+        for leg in (engine_turn.prefill, engine_turn.decode) if engine_turn else ():
+            if leg is not None:
+                orphans.append(inferred_join.Orphan(tid, leg))
+    if not orphans:
+        return {}
+    lo = min(o.leg.start_ns for o in orphans) - tol
+    hi = max(o.leg.end_ns for o in orphans) + tol
+    candidates = dict(bare)
+    others = [
+        s
+        for s in one_per_trace(
+            source.turn_spans(
+                since_ns=lo - int(NEIGHBOUR_LOOKBACK_S * 1e9), until_ns=hi, limit=None, slowest_first=False
+            )
+        )
+        if s.trace_id not in by_trace and s.end_ns >= lo
+    ]
+    if others:
+        joined = {
+            s.trace_id for s in source.trace_spans([s.trace_id for s in others]) if is_engine_request(s)
+        }
+        candidates.update((s.trace_id, s) for s in others if s.trace_id not in joined)
+    outcome = inferred_join.match([_facts(s) for s in candidates.values()], orphans)
+    return {
+        j.turn_trace_id: (j, [s for tid in j.trace_ids for s in orphan_spans[tid]])
+        for j in outcome.joins
+        if j.turn_trace_id in bare
+    }

@@ -60,6 +60,11 @@ class EngineConfig:
     decoder_ttl_s: float | None = None
     bidirectional: bool | None = None
     load_failure_policy: str | None = None
+    model: str | None = None
+    block_size: int | None = None
+    kv_cache_dtype: str | None = None
+    prefix_caching: bool | None = None
+    role: str | None = None
 
 
 @dataclass
@@ -116,6 +121,13 @@ class Leg:
     kv_params_returned: bool | None = None
     streamed: bool | None = None
     """The request asked vLLM for a stream (None: the engine did not say)."""
+    context_source: str | None = None
+    """Where the engine got the turn's trace context (:data:`otelkv.names.TRACE_CONTEXT_SOURCES`)."""
+    conversation_id: str = ""
+    """The conversation id the engine saw (vLLM ``session_id``; empty: none reached it)."""
+    base_request_id: str = ""
+    """vLLM's request id without its suffix: the same on both legs of one routed request,
+    and the ``id`` of the response vLLM returns."""
     transfer: Transfer | None = None
     retention: Retention | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
@@ -142,6 +154,19 @@ class RouterInfo:
     http_status: int | None = None
     status: str = "Unset"
     status_message: str = ""
+
+
+@dataclass(frozen=True)
+class EngineJoin:
+    """How a turn's engine requests were tied to it.
+
+    ``trace``: the engines continued the turn's trace (trace context reached them through
+    headers or the body). ``inferred``: they arrived in traces of their own and were matched
+    to the turn from what both sides saw; ``evidence`` names what matched.
+    """
+
+    method: str
+    evidence: tuple[str, ...] = ()
 
 
 @dataclass
@@ -178,6 +203,10 @@ class Turn:
     decode: Leg | None = None
     previous: Turn | None = field(default=None, repr=False)
     span_count: int = 0
+    response_id: str | None = None
+    """The ``id`` of the response the client got (``gen_ai.response.id``)."""
+    join: EngineJoin | None = None
+    """How the engine requests were tied to this turn (None: no engine request is)."""
 
     @property
     def request_s(self) -> float:
@@ -215,19 +244,25 @@ class Turn:
 # ------------------------------------------------------------------ building
 
 
-def _config(resource: dict[str, Any]) -> EngineConfig:
+def engine_config(resource: dict[str, Any]) -> EngineConfig:
+    """An engine's configuration in force, from its resource attributes."""
     return EngineConfig(
         engine_id=opt_str(resource, names.ENGINE_ID),
         recompute_threshold=opt_int(resource, names.KV_RECOMPUTE_THRESHOLD),
         decoder_ttl_s=opt_float(resource, names.DECODER_KV_BLOCKS_TTL),
         bidirectional=opt_bool(resource, names.BIDIRECTIONAL_KV_XFER),
         load_failure_policy=opt_str(resource, names.KV_LOAD_FAILURE_POLICY),
+        model=opt_str(resource, names.GEN_AI_REQUEST_MODEL),
+        block_size=opt_int(resource, names.KV_BLOCK_SIZE),
+        kv_cache_dtype=opt_str(resource, names.KV_CACHE_DTYPE),
+        prefix_caching=opt_bool(resource, names.PREFIX_CACHING),
+        role=opt_str(resource, names.ROLE),
     )
 
 
 def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
     a = request.attributes
-    config = _config(request.resource)
+    config = engine_config(request.resource)
     leg = Leg(
         role=attr_str(a, names.ROLE),
         request_id=attr_str(a, names.REQUEST_ID),
@@ -250,6 +285,9 @@ def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
         remote_kv_wait_s=opt_float(a, names.REMOTE_KV_WAIT_SECONDS),
         kv_params_returned=opt_bool(a, names.KV_PARAMS_RETURNED),
         streamed=opt_bool(a, names.REQUEST_STREAMED),
+        context_source=opt_str(a, names.TRACE_CONTEXT_SOURCE),
+        conversation_id=attr_str(a, names.GEN_AI_CONVERSATION_ID),
+        base_request_id=attr_str(a, names.GEN_AI_REQUEST_ID),
         config=config,
     )
     if leg.threshold is None:
@@ -361,6 +399,8 @@ def build_turn(
         _fill_from_engines(turn, spans)
     if previous is not None and not turn.previous_trace_id:
         turn.previous_trace_id = previous.trace_id
+    if prefill is not None or decode is not None:
+        turn.join = EngineJoin(names.JOIN_TRACE)
     turn.phases = _phases(turn, turn_span, list(tool_spans))
     return turn
 
@@ -385,6 +425,7 @@ def _fill_from_turn_span(turn: Turn, span: SpanRecord) -> None:
     turn.output_tokens = opt_int(a, names.GEN_AI_USAGE_OUTPUT_TOKENS)
     turn.cache_read_tokens = opt_int(a, names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS)
     turn.finish_reasons = opt_str(a, names.GEN_AI_RESPONSE_FINISH_REASONS)
+    turn.response_id = opt_str(a, names.GEN_AI_RESPONSE_ID)
     turn.response_kv_params = opt_bool(a, names.TURN_RESPONSE_KV_PARAMS)
     turn.asked_tools = opt_bool(a, names.TURN_ASKED_TOOLS)
     turn.tool_results = opt_int(a, names.TURN_TOOL_RESULTS)

@@ -1,6 +1,6 @@
 """Where the analysis reads spans from: a store, a ClickHouse cluster, or a list in memory.
 
-Every source answers the same four questions (:class:`SpanSource`), so ``slow``,
+Every source answers the same five questions (:class:`SpanSource`), so ``slow``,
 ``conversation``, ``why``, ``tune`` and ``compare`` run unchanged on the sidecar's embedded
 store, a fleet's ClickHouse and the spans of a unit test.
 """
@@ -16,6 +16,7 @@ from otelkv.spans import (
     attr_float,
     attr_int,
     attr_str,
+    is_engine_request,
     is_tool_span,
     is_turn_span,
     opt_int,
@@ -55,6 +56,10 @@ class SpanSource(Protocol):
     ) -> list[SpanRecord]: ...
 
     def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None: ...
+
+    def engine_requests(
+        self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
+    ) -> list[SpanRecord]: ...
 
 
 def _span_total_s(span: SpanRecord) -> float:
@@ -129,6 +134,21 @@ class InMemorySource:
         ]
         return min(found, key=turn_rank) if found else None
 
+    def engine_requests(
+        self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
+    ) -> list[SpanRecord]:
+        out = sorted(
+            (
+                s
+                for s in self.spans
+                if is_engine_request(s)
+                and since_ns <= s.start_ns < until_ns
+                and (not roots_only or not s.parent_span_id)
+            ),
+            key=lambda s: (s.start_ns, s.span_id),
+        )
+        return out if limit is None else out[:limit]
+
 
 class StoreSource:
     """A :class:`SpanSource` over an open store, through :mod:`otelkv.store.queries`."""
@@ -187,3 +207,12 @@ class StoreSource:
 
     def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None:
         return self._q().find_turn(self.store, conversation_id, index)  # type: ignore[no-any-return]
+
+    def engine_requests(
+        self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
+    ) -> list[SpanRecord]:
+        return list(
+            self._q().engine_requests(
+                self.store, since_ns=since_ns, until_ns=until_ns, roots_only=roots_only, limit=limit
+            )
+        )

@@ -97,13 +97,18 @@ def turn_outcome(turn: Turn) -> str:
     return OUTCOME_INTERRUPTED if turn.status_message == names.CLIENT_DISCONNECTED else OUTCOME_ERROR
 
 
-def _config(config: EngineConfig) -> dict[str, Any]:
+def config_object(config: EngineConfig) -> dict[str, Any]:
+    """An engine's configuration in force."""
     return {
         "engine_id": config.engine_id,
         "kv_recompute_threshold": config.recompute_threshold,
         "decoder_kv_blocks_ttl_s": config.decoder_ttl_s,
         "bidirectional_kv_xfer": config.bidirectional,
         "kv_load_failure_policy": config.load_failure_policy,
+        "model": config.model,
+        "block_size": config.block_size,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "prefix_caching": config.prefix_caching,
     }
 
 
@@ -172,9 +177,11 @@ def leg_object(leg: Leg | None) -> dict[str, Any] | None:
         "pull_s": r6(pull_seconds(leg)),
         "kv_params_returned": leg.kv_params_returned,
         "streamed": leg.streamed,
+        "context_source": leg.context_source,
+        "conversation_id": leg.conversation_id or None,
         "transfer": _transfer(leg.transfer),
         "retention": _retention(leg.retention),
-        "config": _config(leg.config),
+        "config": config_object(leg.config),
     }
 
 
@@ -237,6 +244,10 @@ def turn_object(
         "response_kv_params": turn.response_kv_params,
         "asked_tools": turn.asked_tools,
         "tool_results": turn.tool_results,
+        "response_id": turn.response_id,
+        "engine_join": {"method": turn.join.method, "evidence": list(turn.join.evidence)}
+        if turn.join
+        else None,
         "router": _router(turn.router),
         "prefill": leg_object(turn.prefill),
         "decode": leg_object(turn.decode),

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     from otelkv.cli.tune_cmd import add_tune_command
 
     add_tune_command(sub)
+    from otelkv.cli.doctor_cmd import add_doctor_command
+
+    add_doctor_command(sub)
     from otelkv.cli.compare_cmd import add_compare_command
 
     add_compare_command(sub)

@@ -59,6 +59,20 @@ def add_sidecar_command(sub: argparse._SubParsersAction) -> None:  # type: ignor
         "vllm_xargs (they reach the engines through routers that drop headers)",
     )
     p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an engine's HTTP address (repeatable): `otelkv doctor` reads its /metrics",
+    )
+    p.add_argument(
+        "--router-handle-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="how long the router keeps a decode handle, for `otelkv doctor` "
+        "(routers without spans do not say)",
+    )
+    p.add_argument(
         "--conversation-id-max-chars",
         type=int,
         default=MAX_ID_CHARS,
@@ -102,6 +116,8 @@ def run_sidecar(args: argparse.Namespace) -> int:
         inject_body_context=not args.no_body_context,
         conversation_id_max_chars=args.conversation_id_max_chars,
         hash_conversation_ids=args.hash_conversation_ids,
+        engine_urls=tuple(args.engine),
+        router_handle_ttl_s=args.router_handle_ttl,
     )
     try:
         sidecar = Sidecar(config).start()

@@ -47,6 +47,15 @@ class Querier(Protocol):
         self, *, since_ns: int | None, until_ns: int | None, options: dict[str, Any]
     ) -> dict[str, Any]: ...
 
+    def doctor(
+        self,
+        *,
+        since_ns: int | None,
+        until_ns: int | None,
+        probes: list[dict[str, Any]],
+        router_handle_ttl_s: float | None,
+    ) -> dict[str, Any]: ...
+
     def close(self) -> None: ...
 
 
@@ -79,11 +88,16 @@ class SidecarClient:
         self.token = token if token is not None else os.environ.get(names.ENV_SIDECAR_TOKEN) or None
         self.timeout_s = timeout_s
 
-    def _get(self, path: str, query: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _request(
+        self, path: str, query: dict[str, Any] | None = None, *, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         url = self.url + path
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
         request = urllib.request.Request(url, headers={"Accept": "application/json"})
+        if body is not None:  # a POST: what the CLI measured itself goes along
+            request.data = json.dumps(body).encode()
+            request.add_header("Content-Type", "application/json")
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:
@@ -125,17 +139,33 @@ class SidecarClient:
         return f"sidecar at {self.url} failed ({exc.code}){': ' + detail if detail else ''}"
 
     def slow(self, *, since_ns: int | None, until_ns: int | None, limit: int) -> dict[str, Any]:
-        return self._get("/api/v1/slow", {"since_ns": since_ns, "until_ns": until_ns, "limit": limit})
+        return self._request("/api/v1/slow", {"since_ns": since_ns, "until_ns": until_ns, "limit": limit})
 
     def conversation(self, conversation_id: str) -> dict[str, Any]:
-        return self._get("/api/v1/conversations/" + urllib.parse.quote(conversation_id, safe=""))
+        return self._request("/api/v1/conversations/" + urllib.parse.quote(conversation_id, safe=""))
 
     def why(self, ref: str) -> dict[str, Any]:
-        return self._get("/api/v1/why/" + urllib.parse.quote(ref, safe=""))
+        return self._request("/api/v1/why/" + urllib.parse.quote(ref, safe=""))
 
     def tune(self, *, since_ns: int | None, until_ns: int | None, options: dict[str, Any]) -> dict[str, Any]:
         query = {k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for k, v in options.items()}
-        return self._get("/api/v1/tune", {"since_ns": since_ns, "until_ns": until_ns, **query})
+        return self._request("/api/v1/tune", {"since_ns": since_ns, "until_ns": until_ns, **query})
+
+    def doctor(
+        self,
+        *,
+        since_ns: int | None,
+        until_ns: int | None,
+        probes: list[dict[str, Any]],
+        router_handle_ttl_s: float | None,
+    ) -> dict[str, Any]:
+        body = {
+            "since_ns": since_ns,
+            "until_ns": until_ns,
+            "probes": probes,
+            "router_handle_ttl_s": router_handle_ttl_s,
+        }
+        return self._request("/api/v1/doctor", body=body)
 
     def close(self) -> None:
         return None
@@ -187,6 +217,25 @@ class LocalQuerier:
         from otelkv.analysis.tune.window import options_from_dict, tune
 
         return self._run(tune, since_ns=since_ns, until_ns=until_ns, options=options_from_dict(options))
+
+    def doctor(
+        self,
+        *,
+        since_ns: int | None,
+        until_ns: int | None,
+        probes: list[dict[str, Any]],
+        router_handle_ttl_s: float | None,
+    ) -> dict[str, Any]:
+        from otelkv.analysis.doctor import doctor
+        from otelkv.analysis.engine_probe import EngineProbe
+
+        return self._run(
+            doctor,
+            since_ns=since_ns,
+            until_ns=until_ns,
+            probes=[EngineProbe.from_dict(p) for p in probes],
+            router_handle_ttl_s=router_handle_ttl_s,
+        )
 
     def close(self) -> None:
         if self._closer is not None:

@@ -85,6 +85,9 @@ class EngineSettings:
     load_failure_policy: str = "fail"
     backends: tuple[str, ...] = NIXL_DEFAULT_BACKENDS
     vllm_traces_endpoint: str | None = None
+    block_size: int | None = None
+    kv_cache_dtype: str = ""
+    prefix_caching: bool | None = None
 
     @property
     def engine_role(self) -> str:
@@ -133,6 +136,7 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
             served = served[0] if served else None
         model = str(served or getattr(model_config, "model", "") or "")
     observability = getattr(vllm_config, "observability_config", None)
+    block_size, kv_dtype, prefix_caching = _cache_facts(vllm_config)
 
     return EngineSettings(
         enabled=enabled,
@@ -151,4 +155,21 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
         load_failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail") or "fail"),
         backends=tuple(str(b) for b in backends),
         vllm_traces_endpoint=getattr(observability, "otlp_traces_endpoint", None),
+        block_size=block_size,
+        kv_cache_dtype=kv_dtype,
+        prefix_caching=prefix_caching,
     )
+
+
+def _cache_facts(vllm_config: Any) -> tuple[int | None, str, bool | None]:
+    """(block size, KV dtype in force, prefix caching): what both sides of a hand-off must
+    agree on, read defensively (any of them may be absent on another vLLM build)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    block = getattr(cache, "block_size", None)
+    block_size = block if isinstance(block, int) and not isinstance(block, bool) else None
+    dtype = str(getattr(cache, "cache_dtype", "") or "")
+    if dtype in ("", "auto"):
+        model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+        dtype = str(model_dtype).removeprefix("torch.") if model_dtype is not None else dtype
+    caching = getattr(cache, "enable_prefix_caching", None)
+    return block_size, dtype, caching if isinstance(caching, bool) else None

@@ -614,14 +614,21 @@ def _parse_traceparent(headers: Any) -> tuple[int, int, int] | None:
 
 def engine_resource_attributes(settings: EngineSettings, connector_name: str) -> dict[str, Any]:
     """What is the same for every request of an engine: stated once, on the resource."""
-    return {
+    attrs: dict[str, Any] = {
         names.KV_CONNECTOR: connector_name,
         names.GEN_AI_PROVIDER_NAME: names.PROVIDER_VLLM,
         names.BIDIRECTIONAL_KV_XFER: settings.bidirectional,
         names.KV_RECOMPUTE_THRESHOLD: settings.recompute_threshold,
         names.DECODER_KV_BLOCKS_TTL: settings.decoder_ttl_s,
         names.KV_LOAD_FAILURE_POLICY: settings.load_failure_policy,
+        names.GEN_AI_REQUEST_MODEL: settings.model,
+        names.KV_CACHE_DTYPE: settings.kv_cache_dtype,
     }
+    if settings.block_size is not None:
+        attrs[names.KV_BLOCK_SIZE] = settings.block_size
+    if settings.prefix_caching is not None:
+        attrs[names.PREFIX_CACHING] = settings.prefix_caching
+    return attrs
 
 
 def _count_blocks(block_ids: Any) -> int:

@@ -36,11 +36,25 @@ def token_guard(token: str | None) -> Callable[[web.Request, Handler], Awaitable
     return middleware
 
 
+MAX_PROBES = 64
+"""Most engine probes a doctor request may carry."""
+
+
 class QueryApi:
-    def __init__(self, source: Any | None, describe: str) -> None:
+    def __init__(
+        self,
+        source: Any | None,
+        describe: str,
+        *,
+        engine_urls: tuple[str, ...] = (),
+        router_handle_ttl_s: float | None = None,
+    ) -> None:
         self.source = source
         """An ``otelkv.analysis.sources.SpanSource`` over the store (None: no store)."""
         self.describe = describe
+        self.engine_urls = engine_urls
+        """Engines the sidecar was told about (``--engine``): the doctor reads their /metrics."""
+        self.router_handle_ttl_s = router_handle_ttl_s
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -49,6 +63,8 @@ class QueryApi:
             web.get("/api/v1/conversations/{conversation_id}", self.conversation),
             web.get("/api/v1/why/{ref}", self.why),
             web.get("/api/v1/tune", self.tune),
+            web.get("/api/v1/doctor", self.doctor),
+            web.post("/api/v1/doctor", self.doctor),
         ]
 
     async def health(self, request: web.Request) -> web.Response:
@@ -109,10 +125,48 @@ class QueryApi:
             return web.json_response({"error": str(exc)}, status=400)
         return await self._run(tune, since_ns=since, until_ns=until, options=options)
 
+    async def doctor(self, request: web.Request) -> web.Response:
+        """GET: the window of the query string and the sidecar's own ``--engine`` probes. POST
+        (what ``otelkv doctor`` sends): a JSON body with the window, probes the caller made
+        itself (the sidecar never fetches a URL a caller names) and the router's handle TTL."""
+        from otelkv.analysis.doctor import doctor
+        from otelkv.analysis.engine_probe import EngineProbe, probe
 
-def _opt_int(value: str | None) -> int | None:
+        try:
+            if request.method == "POST":
+                body = await request.json()
+                if not isinstance(body, dict):
+                    raise ValueError("the body must be a JSON object")
+            else:
+                body = dict(request.query)
+            since = _opt_int(body.get("since_ns"))
+            until = _opt_int(body.get("until_ns"))
+            ttl = body.get("router_handle_ttl_s")
+            ttl = float(ttl) if ttl not in (None, "") else self.router_handle_ttl_s
+            sent = body.get("probes") or []
+            if not isinstance(sent, list) or len(sent) > MAX_PROBES:
+                raise ValueError(f"'probes' must be a list of at most {MAX_PROBES}")
+            probes = [EngineProbe.from_dict(p) for p in sent]
+        except (ValueError, TypeError) as exc:
+            return web.json_response({"error": f"bad doctor request: {exc}"[:300]}, status=400)
+        loop = asyncio.get_running_loop()
+        own = await asyncio.gather(
+            *(
+                loop.run_in_executor(None, probe, url)
+                for url in self.engine_urls
+                if url not in {p.url for p in probes}
+            )
+        )
+        return await self._run(
+            doctor, since_ns=since, until_ns=until, probes=[*probes, *own], router_handle_ttl_s=ttl
+        )
+
+
+def _opt_int(value: Any) -> int | None:
     if value is None or value == "":
         return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"not an integer: {str(value)[:40]!r}")
     try:
         return int(value)
     except ValueError:

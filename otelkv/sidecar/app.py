@@ -68,6 +68,10 @@ class SidecarConfig:
     token: str | None = field(default_factory=lambda: os.environ.get(names.ENV_SIDECAR_TOKEN) or None)
     service_name: str = "otelkv-sidecar"
     max_body_bytes: int = 32 * 1024 * 1024
+    engine_urls: tuple[str, ...] = ()
+    """Engines whose ``/metrics`` ``otelkv doctor`` reads (their HTTP base URLs)."""
+    router_handle_ttl_s: float | None = None
+    """The router's handle TTL, for ``otelkv doctor`` when the router does not say."""
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -199,7 +203,13 @@ class Sidecar:
         )
         app.router.add_post("/v1/traces", self.receiver.handle)
         app.router.add_get("/metrics", self._metrics)
-        app.router.add_routes(QueryApi(self.source, self.describe_store()).routes())
+        api = QueryApi(
+            self.source,
+            self.describe_store(),
+            engine_urls=self.config.engine_urls,
+            router_handle_ttl_s=self.config.router_handle_ttl_s,
+        )
+        app.router.add_routes(api.routes())
         return app
 
     async def _metrics(self, request: web.Request) -> web.Response:

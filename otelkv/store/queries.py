@@ -131,6 +131,28 @@ def tool_spans(
     return _spans(store, sql, params)
 
 
+def engine_requests(
+    store: TraceStore, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
+) -> list[SpanRecord]:
+    """Engine request spans (:data:`otelkv.spans.sql.ENGINE_REQUEST_SPANS`) starting in
+    ``[since_ns, until_ns)``, in start order; with ``roots_only``, only those without a
+    parent (requests whose trace context never reached the engine)."""
+    table, _ = _tables(store)
+    where = [
+        span_sql.ENGINE_REQUEST_SPANS,
+        "Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})",
+        "Timestamp < fromUnixTimestamp64Nano({until_ns:Int64})",
+    ]
+    if roots_only:
+        where.append("ParentSpanId = ''")
+    params: dict[str, Any] = {"since_ns": int(since_ns), "until_ns": int(until_ns)}
+    sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
+    if limit is not None:
+        sql += "\nLIMIT {limit:UInt64}"
+        params["limit"] = max(0, int(limit))
+    return _spans(store, sql, params)
+
+
 def find_turn(store: TraceStore, conversation_id: str, index: int) -> SpanRecord | None:
     """Turn ``index`` of a conversation; the sidecar's span (scope ``otelkv.sidecar``) wins."""
     table, _ = _tables(store)

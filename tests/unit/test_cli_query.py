@@ -148,7 +148,7 @@ def test_sidecar_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_sidecar_token_refused(sidecar: str) -> None:
     with pytest.raises(QueryError, match="set OTELKV_TOKEN"):
-        source.SidecarClient(sidecar)._get("/api/v1/secret")
+        source.SidecarClient(sidecar)._request("/api/v1/secret")
 
 
 # ------------------------------------------------------------------ options and local sources
