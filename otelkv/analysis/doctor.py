@@ -117,7 +117,10 @@ def engines_of(spans: Iterable[SpanRecord]) -> list[Engine]:
             config, n, cont = seen[key]
             seen[key] = (config, n + 1, cont)
         else:
-            seen[key] = (engine_config(res), 1, bool(opt_bool(res, names.CONTINUITY_VERIFY)))
+            config = engine_config(res)
+            if config.role is None:  # the resource normally says; the request span always does
+                config.role = attr_str(span.attributes, names.ROLE) or None
+            seen[key] = (config, 1, bool(opt_bool(res, names.CONTINUITY_VERIFY)))
     return [Engine(k, c, n, cont) for k, (c, n, cont) in sorted(seen.items())]
 
 

@@ -35,8 +35,10 @@ def add_doctor_command(subparsers: Any) -> None:
         "and (with --engine) their /metrics, and checks each prerequisite of reverse KV reuse. "
         "Exits 1 when one fails.",
     )
-    p.add_argument("--since", default="1h", help="window start, a duration before now (default 1h)")
-    p.add_argument("--until", help="window end, a duration before now (default: now)")
+    p.add_argument(
+        "--since", default="1h", help="window start: a duration before now or an ISO 8601 time (default 1h)"
+    )
+    p.add_argument("--until", help="window end: a duration before now or an ISO 8601 time (default: now)")
     p.add_argument(
         "--engine",
         action="append",

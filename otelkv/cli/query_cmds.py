@@ -43,9 +43,11 @@ def add_query_commands(subparsers: Any) -> None:
         "diagnosis; `otelkv why TRACE_ID` explains one.",
     )
     slow.add_argument(
-        "--since", default="1h", help="window start, a duration before now: 15m, 2h, 1d (default 1h)"
+        "--since",
+        default="1h",
+        help="window start: a duration before now (15m, 2h, 1d) or an ISO 8601 time (default 1h)",
     )
-    slow.add_argument("--until", help="window end, a duration before now (default: now)")
+    slow.add_argument("--until", help="window end: a duration before now or an ISO 8601 time (default: now)")
     slow.add_argument("--limit", type=int, default=10, help="how many turns (default 10)")
     source_options(slow)
     slow.set_defaults(handler=run_slow)

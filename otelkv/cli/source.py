@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -67,11 +68,28 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_S[(match.group(2) or "s").lower()]
 
 
+def _instant_ns(text: str, now_ns: int) -> int:
+    """A point in time: an ISO 8601 timestamp (``2026-12-01T22:00:00Z``; no zone means UTC)
+    or a duration before now (:func:`parse_duration`)."""
+    if _DURATION.match(text or ""):
+        return now_ns - int(parse_duration(text) * 1e9)
+    try:
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise QueryError(
+            f"bad time {text!r}: use a duration before now (90s, 15m, 2h, 1d) or an ISO 8601 time "
+            "(2026-12-01T22:00:00Z)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return int(when.timestamp()) * 1_000_000_000 + when.microsecond * 1000
+
+
 def window_ns(since: str | None, until: str | None, *, now_ns: int | None = None) -> tuple[int, int | None]:
-    """(since_ns, until_ns) for ``--since``/``--until`` given as durations before now."""
+    """(since_ns, until_ns) for ``--since``/``--until``: durations before now or ISO 8601 times."""
     now = time.time_ns() if now_ns is None else now_ns
-    since_ns = now - int(parse_duration(since or "1h") * 1e9)
-    until_ns = now - int(parse_duration(until) * 1e9) if until else None
+    since_ns = _instant_ns(since or "1h", now)
+    until_ns = _instant_ns(until, now) if until else None
     if until_ns is not None and until_ns <= since_ns:
         raise QueryError(f"--until {until} is not after --since {since}: nothing in between")
     return since_ns, until_ns

@@ -40,8 +40,10 @@ def add_tune_command(subparsers: Any) -> None:
         "memory per setting, a recommendation, and flags for settings that are clearly wrong. "
         "See docs/tune.md.",
     )
-    tune.add_argument("--since", default="1d", help="window start, a duration before now (default 1d)")
-    tune.add_argument("--until", help="window end, a duration before now (default: now)")
+    tune.add_argument(
+        "--since", default="1d", help="window start: a duration before now or an ISO 8601 time (default 1d)"
+    )
+    tune.add_argument("--until", help="window end: a duration before now or an ISO 8601 time (default: now)")
     tune.add_argument("--ttl", metavar="LIST", help="decoder_kv_blocks_ttl candidates, e.g. 30s,2m,8m")
     tune.add_argument("--threshold", metavar="LIST", help="kv_recompute_threshold candidates, e.g. 16,64,256")
     tune.add_argument(

@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 from otelkv import names
 from otelkv.analysis import report
 from otelkv.analysis.sources import StoreSource
+from otelkv.analysis.turn_json import iso
 from otelkv.fleet.agent import Conversation, Turn, TurnResult
 from otelkv.fleet.fleet import Fleet, FleetConfig
 from otelkv.sidecar.app import Sidecar, SidecarConfig
@@ -370,6 +372,47 @@ def _kill_tree(pid: int) -> None:
     for proc in procs:
         proc.kill()
     psutil.wait_procs(procs, timeout=15)
+
+
+def test_doctor_passes_every_prerequisite_behind_the_reference_router(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    """The reference router forwards identity and handles, calls decode non-streaming and keeps
+    handles shorter than the decode TTL: nothing fails, and only what no engine of this version
+    does (verify continuity) warns. Checked over a window of its own (the earlier scenarios
+    lapse and stream on purpose), through the CLI, which reads the engines' /metrics itself."""
+    assert fleet.sidecar is not None and fleet.prefill is not None and fleet.decode is not None
+    clean = Conversation(
+        "conv-clean",
+        [Turn("check the deploy status", 64), Turn("roll back the canary", 48, pause_s=0.5)],
+    )
+    since = time.time_ns()
+    (run,) = fleet.driver().run_sync([clean])
+    assert all(t.ok for t in run), [(t.status, t.error) for t in run]
+    for turn in run:
+        turn_span(fleet, turn.trace_id)
+    fleet.flush_store()
+    window = ["--since", iso(since), "--until", iso(time.time_ns())]  # this conversation's alone
+    cli = [sys.executable, "-m", "otelkv.cli.main", "doctor", "--sidecar", fleet.sidecar.admin_url, *window]
+    cli += ["--engine", fleet.prefill.url, "--engine", fleet.decode.url]
+    done = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=120)
+    answer = assert_valid(json.loads(done.stdout)) if done.stdout else {"checks": []}
+    assert done.returncode == 0, (
+        done.stderr,
+        [(c["id"], c["status"], c["summary"]) for c in answer["checks"]],
+    )
+    assert answer["turn_count"] == len(clean.turns), answer["turn_count"]
+    status = {c["id"]: c["status"] for c in answer["checks"]}
+    assert status.pop(names.CHECK_CONTINUITY) == names.CHECK_WARN
+    assert set(status.values()) == {names.CHECK_PASS}, answer["checks"]
+    ttl = {c["id"]: c for c in answer["checks"]}[names.CHECK_ROUTER_TTL]["evidence"]
+    assert ttl == {
+        "router_handle_ttl_s": TTL_S - 6.0,
+        "from": "router spans",
+        "decoder_kv_blocks_ttl_s": TTL_S,
+    }
+    text = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "verdict: warn" in text.stdout, text.stdout + text.stderr
 
 
 def test_prefill_engine_killed_mid_hand_off(fleet: Fleet) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -59,6 +61,35 @@ KEEPING = Conversation(
     ],
 )
 
+REBUILT = (
+    Conversation(
+        "conv-rebuilt-a",
+        [
+            Turn("draft the incident review for the storage outage", 96),
+            Turn("add the timeline", 96, pause_s=0.4),
+            Turn("and the action items", 32, pause_s=0.4),
+        ],
+    ),
+    Conversation(
+        "conv-rebuilt-b",
+        [
+            Turn("summarise the design review of the new scheduler in a few lines", 80),
+            Turn("what did the reviewers object to", 80, pause_s=0.3),
+        ],
+    ),
+)
+"""Run at once behind the router that rebuilds bodies: the joins by inference must still pair
+each turn with its own engine requests."""
+
+
+@dataclass
+class Phase:
+    """One router behaviour's conversations and the time window they ran in."""
+
+    since_ns: int
+    until_ns: int
+    turns: dict[str, list[TurnResult]]
+
 
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
@@ -71,23 +102,38 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     yield from fleet_fixture(config, request)
 
 
-@pytest.fixture(scope="module")
-def results(fleet: Fleet) -> dict[str, list[TurnResult]]:
-    driver = fleet.driver()
-    copying, not_kept = driver.run_sync([COPYING, NOT_KEPT])
-    fleet.router.keep_handles = True  # the same router, now keeping handles (still no headers)
+def _phase(fleet: Fleet, conversations: list[Conversation], **router: bool) -> Phase:
+    """Run the conversations at once with the router set as given (then set back)."""
+    for key, value in router.items():
+        setattr(fleet.router, key, value)
+    since = time.time_ns()
     try:
-        (keeping,) = driver.run_sync([KEEPING])
+        runs = fleet.driver().run_sync(conversations)
     finally:
-        fleet.router.keep_handles = False
-    out = {
-        COPYING.conversation_id: copying,
-        NOT_KEPT.conversation_id: not_kept,
-        KEEPING.conversation_id: keeping,
-    }
-    for turns in out.values():
+        for key in router:
+            setattr(fleet.router, key, False)
+    phase = Phase(
+        since, time.time_ns(), {c.conversation_id: r for c, r in zip(conversations, runs, strict=True)}
+    )
+    for turns in phase.turns.values():
         assert all(t.ok for t in turns), ([(t.status, t.error) for t in turns], fleet.engine_log_lines())
-    return out
+    return phase
+
+
+@pytest.fixture(scope="module")
+def phases(fleet: Fleet) -> dict[str, Phase]:
+    """(a) body copied, nothing kept; the same router keeping handles; (b) keeping handles
+    but rebuilding the body (so nothing of the sidecar's identity reaches the engines)."""
+    return {
+        "copying": _phase(fleet, [COPYING, NOT_KEPT]),
+        "keeping": _phase(fleet, [KEEPING], keep_handles=True),
+        "rebuilding": _phase(fleet, list(REBUILT), keep_handles=True, rebuild_body=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(phases: dict[str, Phase]) -> dict[str, list[TurnResult]]:
+    return {conv: turns for phase in phases.values() for conv, turns in phase.turns.items()}
 
 
 def _engine_requests(fleet: Fleet, turn: TurnResult) -> tuple[dict, dict]:
@@ -198,3 +244,189 @@ def test_vllm_takes_the_body_context_and_the_client_never_sees_it(
         assert raw.rstrip().endswith(b"data: [DONE]")
     else:
         assert json.loads(raw)["choices"]
+
+
+# ------------------------------------------------------------------ a router that rebuilds the body
+
+
+def _routed_ids(fleet: Fleet, conversation_id: str) -> list[str]:
+    """The X-Request-Id the router used for each turn of a conversation, in order: the
+    router's own record, independent of anything otelkv saw."""
+    assert isinstance(fleet.router, ThirdPartyRouter)
+    return [rid for key, rid in fleet.router.routed if key == conversation_id]
+
+
+def _wait_for_engine_requests(fleet: Fleet, request_ids: list[str]) -> list:
+    """Both legs of every routed request, arrived at the sink (they have no turn trace to wait on)."""
+    assert fleet.sink is not None
+    wanted = {
+        (f"chatcmpl-{rid}", role) for rid in request_ids for role in (names.ROLE_PREFILL, names.ROLE_DECODE)
+    }
+
+    def ready(spans: list) -> bool:
+        seen = {
+            (s.attributes.get(names.GEN_AI_REQUEST_ID), s.attributes.get(names.ROLE))
+            for s in spans
+            if names.ROLE in s.attributes
+        }
+        return wanted <= seen
+
+    spans = fleet.sink.wait_for(ready, timeout=30.0)
+    return [
+        s
+        for s in spans
+        if (s.attributes.get(names.GEN_AI_REQUEST_ID), s.attributes.get(names.ROLE)) in wanted
+    ]
+
+
+def test_a_router_that_rebuilds_the_body_leaves_the_engines_without_identity(
+    fleet: Fleet, phases: dict[str, Phase]
+) -> None:
+    ids = [rid for conv in REBUILT for rid in _routed_ids(fleet, conv.conversation_id)]
+    assert len(ids) == sum(len(c.turns) for c in REBUILT)
+    spans = _wait_for_engine_requests(fleet, ids)
+    assert len(spans) == 2 * len(ids)
+    for span in spans:
+        assert span.parent_span_id == ""  # a trace of its own
+        assert span.attributes[names.TRACE_CONTEXT_SOURCE] == names.TRACE_CONTEXT_NONE
+        assert names.GEN_AI_CONVERSATION_ID not in span.attributes
+
+
+def test_engine_requests_join_their_turns_by_inference(fleet: Fleet, phases: dict[str, Phase]) -> None:
+    """Each turn gets exactly the two requests the router sent for it (the router's own record),
+    with the evidence named, though two conversations ran at once."""
+    for conv in REBUILT:
+        _wait_for_engine_requests(fleet, _routed_ids(fleet, conv.conversation_id))
+    fleet.flush_store()
+    assert fleet.sidecar is not None
+    source = StoreSource(fleet.sidecar.store)
+    seen: list[str] = []
+    for conv in REBUILT:
+        answer = assert_valid(report.conversation(source, conv.conversation_id))
+        truth = _routed_ids(fleet, conv.conversation_id)
+        assert [t["turn_index"] for t in answer["turns"]] == list(range(len(conv.turns)))
+        for turn, rid in zip(answer["turns"], truth, strict=True):
+            assert turn["engine_join"]["method"] == names.JOIN_INFERRED, turn["engine_join"]
+            assert {names.EVIDENCE_RESPONSE_ID, names.EVIDENCE_PROMPT_TOKENS} <= set(
+                turn["engine_join"]["evidence"]
+            )
+            for role in ("prefill", "decode"):
+                leg = turn[role]
+                assert leg is not None and leg["request_id"].startswith(f"chatcmpl-{rid}-"), (role, leg, rid)
+                assert leg["context_source"] == names.TRACE_CONTEXT_NONE
+                seen.append(leg["request_id"])
+            assert turn["usage"]["input_tokens"] == turn["prefill"]["tokens"]["prompt"]
+        # The router kept handles: the later turns pulled, and the turn object says so.
+        assert [t["prefill"]["reason"] for t in answer["turns"][1:]] == [names.REASON_PULLED] * (
+            len(conv.turns) - 1
+        )
+    assert len(seen) == len(set(seen))  # no engine request joined to two turns
+
+
+def test_why_names_the_identity_the_router_drops(fleet: Fleet, phases: dict[str, Phase]) -> None:
+    conv = REBUILT[0]
+    _wait_for_engine_requests(fleet, _routed_ids(fleet, conv.conversation_id))
+    fleet.flush_store()
+    assert fleet.sidecar is not None
+    turn = assert_valid(report.why(StoreSource(fleet.sidecar.store), f"{conv.conversation_id}#1"))["turn"]
+    found = {d["id"]: d for d in turn["diagnoses"]}
+    assert names.DIAG_ROUTER_FORWARDS_NO_IDENTITY in found, turn["diagnoses"]
+    evidence = found[names.DIAG_ROUTER_FORWARDS_NO_IDENTITY]["evidence"]
+    assert evidence["join"] == names.JOIN_INFERRED
+    assert sorted(evidence["engines_without_conversation_id"]) == ["decode", "prefill"]
+    # Body copied: the identity arrived, so the diagnosis stays away.
+    copied = assert_valid(report.why(StoreSource(fleet.sidecar.store), f"{KEEPING.conversation_id}#1"))[
+        "turn"
+    ]
+    assert names.DIAG_ROUTER_FORWARDS_NO_IDENTITY not in {d["id"] for d in copied["diagnoses"]}
+
+
+# ------------------------------------------------------------------ otelkv doctor per router
+
+
+def _doctor(fleet: Fleet, phase: Phase) -> dict:
+    """The sidecar's doctor API over the phase's window, the engines' /metrics read by the caller."""
+    from otelkv.analysis.engine_probe import probe
+    from otelkv.cli.source import SidecarClient
+
+    assert fleet.sidecar is not None and fleet.prefill is not None and fleet.decode is not None
+    fleet.flush_store()
+    client = SidecarClient(fleet.sidecar.admin_url)
+    answer = client.doctor(
+        since_ns=phase.since_ns,
+        until_ns=phase.until_ns,
+        probes=[probe(fleet.prefill.url).as_dict(), probe(fleet.decode.url).as_dict()],
+        router_handle_ttl_s=None,
+    )
+    return assert_valid(answer)
+
+
+def _by_status(answer: dict) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for check in answer["checks"]:
+        out.setdefault(check["status"], set()).add(check["id"])
+    return out
+
+
+ALWAYS_PASS = {
+    names.CHECK_ENGINE_SPANS,
+    names.CHECK_BIDIRECTIONAL,
+    names.CHECK_ENGINES_AGREE,
+    names.CHECK_TTL_VS_GAPS,
+    names.CHECK_PREFIX_CACHE,
+    names.CHECK_LOAD_FAILURE_POLICY,
+}
+"""What no router changes on this fleet: the engines' own settings and the agents' pauses."""
+
+
+def test_doctor_fails_what_the_copying_router_lacks(fleet: Fleet, phases: dict[str, Phase]) -> None:
+    """Router (a): body copied, no handle kept, decode streamed for streaming clients."""
+    for turns in phases["copying"].turns.values():
+        for turn in turns:
+            _engine_requests(fleet, turn)
+    answer = _doctor(fleet, phases["copying"])
+    status = _by_status(answer)
+    assert status.get(names.CHECK_FAIL) == {names.CHECK_HANDLE_FORWARDED, names.CHECK_DECODE_NOT_STREAMED}
+    assert ALWAYS_PASS | {names.CHECK_TURNS_JOINED, names.CHECK_CONVERSATION_ID} <= status[names.CHECK_PASS]
+    assert answer["verdict"] == names.CHECK_FAIL
+    checks = {c["id"]: c for c in answer["checks"]}
+    # What the scenario did: 3 of the 5 turns streamed; the 3 follow-ups carried no handle.
+    assert checks[names.CHECK_DECODE_NOT_STREAMED]["evidence"] == {"decode_requests": 5, "streamed": 3}
+    assert checks[names.CHECK_HANDLE_FORWARDED]["evidence"] == {"follow_up_turns": 3, "with_handle": 0}
+    assert all(p["otelkv_metrics"] and p["cache"].get("block_size") for p in answer["probes"])
+
+
+def test_doctor_passes_the_copying_router_that_keeps_handles(fleet: Fleet, phases: dict[str, Phase]) -> None:
+    for turn in phases["keeping"].turns[KEEPING.conversation_id]:
+        _engine_requests(fleet, turn)
+    status = _by_status(_doctor(fleet, phases["keeping"]))
+    assert names.CHECK_FAIL not in status
+    assert (
+        ALWAYS_PASS
+        | {
+            names.CHECK_TURNS_JOINED,
+            names.CHECK_CONVERSATION_ID,
+            names.CHECK_HANDLE_FORWARDED,
+            names.CHECK_DECODE_NOT_STREAMED,
+        }
+        <= status[names.CHECK_PASS]
+    )
+    # A router without otelkv's spans does not say how long it keeps a handle.
+    assert status[names.CHECK_SKIP] == {names.CHECK_ROUTER_TTL}
+
+
+def test_doctor_fails_what_the_rebuilding_router_lacks(fleet: Fleet, phases: dict[str, Phase]) -> None:
+    """Router (b): handles kept per conversation, but neither headers nor the body's identity forwarded."""
+    for conv in REBUILT:
+        _wait_for_engine_requests(fleet, _routed_ids(fleet, conv.conversation_id))
+    answer = _doctor(fleet, phases["rebuilding"])
+    status = _by_status(answer)
+    assert status.get(names.CHECK_FAIL) == {names.CHECK_CONVERSATION_ID}
+    assert names.CHECK_TURNS_JOINED in status[names.CHECK_WARN]  # joined, but only by inference
+    assert (
+        ALWAYS_PASS | {names.CHECK_HANDLE_FORWARDED, names.CHECK_DECODE_NOT_STREAMED}
+        <= status[names.CHECK_PASS]
+    )
+    joined = {c["id"]: c for c in answer["checks"]}[names.CHECK_TURNS_JOINED]["evidence"]
+    turns = sum(len(c.turns) for c in REBUILT)
+    assert joined == {"turns": turns, "joined_by_trace": 0, "joined_by_inference": turns, "unjoined": 0}

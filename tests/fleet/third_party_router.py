@@ -8,6 +8,11 @@ streams the decode leg's bytes straight back to the client. With ``keep_handles`
 the decode node's handle per conversation, keyed on the client's ``X-Conversation-Id``
 (read, not forwarded); without it, every turn's prefill starts without a handle.
 
+With ``rebuild_body`` it is the other common kind: it builds each leg's body afresh from the
+OpenAI fields it knows (model, messages or prompt, sampling settings), so anything else the
+client or a proxy put in the body (``vllm_xargs``, ``session_id``) is gone, and it calls the
+decode node non-streaming to get its handle.
+
 Nothing in it knows about otelkv: it is the fleet otelkv has to work behind.
 """
 
@@ -22,6 +27,24 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+KNOWN_FIELDS = (
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "tools",
+    "tool_choice",
+)
+"""What a body-rebuilding router copies; the rest of the client's body is dropped."""
+
 EMPTY_HANDLE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -33,13 +56,18 @@ EMPTY_HANDLE = {
 
 
 class ThirdPartyRouter:
-    def __init__(self, prefill_url: str, decode_url: str, *, keep_handles: bool = False) -> None:
+    def __init__(
+        self, prefill_url: str, decode_url: str, *, keep_handles: bool = False, rebuild_body: bool = False
+    ) -> None:
         self.prefill_url = prefill_url
         self.decode_url = decode_url
         self.keep_handles = keep_handles
+        self.rebuild_body = rebuild_body
         self.handles: dict[str, dict[str, Any]] = {}
         self.legs: list[tuple[str, dict[str, str]]] = []
         """(role, headers sent) of every leg, for tests."""
+        self.routed: list[tuple[str, str]] = []
+        """(the client's X-Conversation-Id, the X-Request-Id used) of every request, in order."""
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -94,8 +122,11 @@ class ThirdPartyRouter:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
         body = await request.json()
+        if self.rebuild_body:
+            body = {k: body[k] for k in KNOWN_FIELDS if k in body}
         headers = {"X-Request-Id": uuid.uuid4().hex}  # its own id, nothing of the client's
         key = request.headers.get("X-Conversation-Id", "")
+        self.routed.append((key, headers["X-Request-Id"]))
         handle = self.handles.get(key) if self.keep_handles and key else None
         prefill = dict(body)
         prefill.pop("stream_options", None)

@@ -156,7 +156,7 @@ def test_sidecar_token_refused(sidecar: str) -> None:
 
 def test_bad_since(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(["slow", "--since", "yesterday", "--sidecar", "http://x"], capsys)
-    assert code == 2 and "bad duration 'yesterday'" in err
+    assert code == 2 and "bad time 'yesterday'" in err
     code, _, err = run(["slow", "--since", "1h", "--until", "2h", "--sidecar", "http://x"], capsys)
     assert code == 2 and "--until 2h is not after --since 1h" in err
 
@@ -167,6 +167,17 @@ def test_durations() -> None:
     assert window_ns("1h", None, now_ns=10_000 * 10**9) == (6400 * 10**9, None)
     with pytest.raises(QueryError):
         parse_duration("-5m")
+
+
+def test_window_takes_iso_times_as_well() -> None:
+    now = 1_800_000_000 * 10**9
+    assert window_ns("2026-12-01T22:00:00Z", "2026-12-01T22:00:01.5+00:00", now_ns=now) == (
+        1_796_162_400 * 10**9,
+        1_796_162_401_500_000_000,
+    )
+    assert window_ns("2026-12-01T22:00:00", None, now_ns=now)[0] == 1_796_162_400 * 10**9  # UTC
+    with pytest.raises(QueryError, match="ISO 8601"):
+        window_ns("yesterday", None, now_ns=now)
 
 
 def test_store_locked_by_sidecar(

@@ -1,0 +1,253 @@
+"""``otelkv doctor`` and joins by inference over span lists shaped like what real routers leave.
+
+The real-engine checks (tests/fleet/test_third_party_router.py, test_sidecar.py) run the
+doctor behind each router; these pin each check's thresholds and wording on hand-made spans.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from otelkv import names
+from otelkv.analysis import doctor as doc
+from otelkv.analysis.engine_probe import EngineProbe, parse
+from otelkv.analysis.report import conversation, why
+from otelkv.analysis.sources import InMemorySource
+from otelkv.cli.doctor_cmd import show_doctor
+from otelkv.spans import SpanRecord, is_engine_request, is_router_span
+from tests.schema import assert_valid
+from tests.unit.test_diagnose import stored, turn_trace
+
+FORMS = pytest.mark.parametrize("form", [lambda s: s, stored], ids=["native", "stored"])
+
+
+def conversation_spans(conv: str = "conv-d", turns: int = 3, **kw: Any) -> list[SpanRecord]:
+    """A conversation whose engines got the turn's identity (headers or body)."""
+    out: list[SpanRecord] = []
+    prev = ""
+    for i in range(turns):
+        trace = turn_trace(
+            conv,
+            i,
+            start_s=100.0 + 3 * i,
+            gap_s=1.0,
+            prev_trace=prev,
+            prefill={
+                names.GEN_AI_CONVERSATION_ID: conv,
+                names.TRACE_CONTEXT_SOURCE: names.TRACE_CONTEXT_BODY,
+                names.GEN_AI_REQUEST_ID: f"chatcmpl-{conv}-{i}",
+            },
+            decode={
+                names.GEN_AI_CONVERSATION_ID: conv,
+                names.TRACE_CONTEXT_SOURCE: names.TRACE_CONTEXT_BODY,
+                names.GEN_AI_REQUEST_ID: f"chatcmpl-{conv}-{i}",
+                names.REQUEST_STREAMED: False,
+            },
+            **kw,
+        )
+        prev = trace[0].trace_id
+        out += trace
+    return out
+
+
+def orphaned(spans: list[SpanRecord]) -> list[SpanRecord]:
+    """What a router that rebuilds the body and forwards no header leaves: no router span, each
+    engine request in a trace of its own without a conversation id, the turn's response id
+    being the decode request's id."""
+    out: list[SpanRecord] = []
+    by_span = {s.span_id: s for s in spans}
+    for s in spans:
+        if is_router_span(s):
+            continue
+        if is_engine_request(s):
+            attrs = {
+                k: v
+                for k, v in s.attributes.items()
+                if k not in (names.GEN_AI_CONVERSATION_ID, names.TRACE_CONTEXT_SOURCE)
+            }
+            attrs[names.TRACE_CONTEXT_SOURCE] = names.TRACE_CONTEXT_NONE
+            out.append(replace(s, trace_id=f"{int(s.span_id, 16):032x}", parent_span_id="", attributes=attrs))
+        elif s.parent_span_id in by_span and is_engine_request(by_span[s.parent_span_id]):
+            out.append(replace(s, trace_id=f"{int(s.parent_span_id, 16):032x}"))
+        else:
+            out.append(s)
+    for i, s in enumerate(out):  # the sidecar saw the decode's id in the response
+        if s.scope_name == names.SCOPE_SIDECAR:
+            index = s.attributes[names.TURN_INDEX]
+            conv = s.attributes[names.GEN_AI_CONVERSATION_ID]
+            out[i] = replace(
+                s, attributes={**s.attributes, names.GEN_AI_RESPONSE_ID: f"chatcmpl-{conv}-{index}"}
+            )
+    return out
+
+
+def run(spans: list[SpanRecord], **kw: Any) -> dict[str, Any]:
+    return assert_valid(doc.doctor(InMemorySource(spans), since_ns=None, until_ns=None, **kw))
+
+
+def status(answer: dict[str, Any]) -> dict[str, str]:
+    return {c["id"]: c["status"] for c in answer["checks"]}
+
+
+# ------------------------------------------------------------------ joins by inference
+
+
+@FORMS
+def test_orphan_engine_requests_join_their_turns_by_inference(form: Any) -> None:
+    source = InMemorySource(form(orphaned(conversation_spans())))
+    answer = assert_valid(conversation(source, "conv-d"))
+    for turn in answer["turns"]:
+        assert turn["engine_join"]["method"] == names.JOIN_INFERRED
+        assert names.EVIDENCE_RESPONSE_ID in turn["engine_join"]["evidence"]
+        assert turn["prefill"]["request_id"] == f"req-conv-d-{turn['turn_index']}-p"
+        assert turn["decode"]["request_id"] == f"req-conv-d-{turn['turn_index']}-d"
+    # The previous turn's retention travels with its inferred decode leg.
+    one = assert_valid(why(source, "conv-d#1"))["turn"]
+    assert one["engine_join"]["method"] == names.JOIN_INFERRED
+    found = {d["id"]: d for d in one["diagnoses"]}
+    assert found[names.DIAG_ROUTER_FORWARDS_NO_IDENTITY]["evidence"]["engines_without_conversation_id"] == [
+        "prefill",
+        "decode",
+    ]
+
+
+def test_engines_that_got_the_identity_join_by_trace_and_raise_no_identity_diagnosis() -> None:
+    turn = assert_valid(why(InMemorySource(conversation_spans()), "conv-d#1"))["turn"]
+    assert turn["engine_join"] == {"method": names.JOIN_TRACE, "evidence": []}
+    assert names.DIAG_ROUTER_FORWARDS_NO_IDENTITY not in {d["id"] for d in turn["diagnoses"]}
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def test_a_fleet_with_everything_in_place_passes_but_continuity() -> None:
+    cache = {names.PREFIX_CACHING: True, names.KV_BLOCK_SIZE: 32}
+    answer = run(
+        conversation_spans(
+            router={names.ROUTER_HANDLE_TTL_SECONDS: 6.0}, prefill_resource=cache, decode_resource=cache
+        )
+    )
+    got = status(answer)
+    assert got.pop(names.CHECK_CONTINUITY) == names.CHECK_WARN
+    assert set(got.values()) == {names.CHECK_PASS}, answer["checks"]
+    assert answer["verdict"] == names.CHECK_WARN
+    assert [c["id"] for c in answer["checks"]] == list(names.CHECKS)
+    assert all(c["fix"] == "" for c in answer["checks"] if c["status"] == names.CHECK_PASS)
+
+
+def test_a_rebuilding_router_fails_the_conversation_id_and_warns_on_joins() -> None:
+    got = status(run(orphaned(conversation_spans())))
+    assert got[names.CHECK_CONVERSATION_ID] == names.CHECK_FAIL
+    assert got[names.CHECK_TURNS_JOINED] == names.CHECK_WARN
+    assert got[names.CHECK_ROUTER_TTL] == names.CHECK_SKIP  # no router span says it
+
+
+def test_missing_handles_and_streamed_decodes_fail() -> None:
+    spans = conversation_spans()
+    # Every prefill without a handle, every decode streamed.
+    spans = [
+        replace(
+            s,
+            attributes={
+                **s.attributes,
+                **(
+                    {names.PULL_REASON: names.REASON_NO_DECODE_HANDLE}
+                    if s.attributes.get(names.ROLE) == names.ROLE_PREFILL
+                    else {names.REQUEST_STREAMED: True}
+                    if s.attributes.get(names.ROLE) == names.ROLE_DECODE
+                    else {}
+                ),
+            },
+        )
+        for s in spans
+    ]
+    answer = run(spans)
+    got = status(answer)
+    assert got[names.CHECK_HANDLE_FORWARDED] == names.CHECK_FAIL
+    assert got[names.CHECK_DECODE_NOT_STREAMED] == names.CHECK_FAIL
+    checks = {c["id"]: c for c in answer["checks"]}
+    assert checks[names.CHECK_HANDLE_FORWARDED]["evidence"] == {"follow_up_turns": 2, "with_handle": 0}
+    assert "stream=false" in checks[names.CHECK_DECODE_NOT_STREAMED]["fix"]
+
+
+@pytest.mark.parametrize(
+    ("resource", "check", "expected"),
+    [
+        ({names.BIDIRECTIONAL_KV_XFER: False}, names.CHECK_BIDIRECTIONAL, names.CHECK_FAIL),
+        ({names.KV_BLOCK_SIZE: 16}, names.CHECK_ENGINES_AGREE, names.CHECK_FAIL),
+        ({names.KV_LOAD_FAILURE_POLICY: "recompute"}, names.CHECK_LOAD_FAILURE_POLICY, names.CHECK_WARN),
+        ({names.PREFIX_CACHING: False}, names.CHECK_PREFIX_CACHE, names.CHECK_WARN),
+        ({names.CONTINUITY_VERIFY: True}, names.CHECK_CONTINUITY, names.CHECK_PASS),
+    ],
+)
+def test_engine_configuration_checks(resource: dict[str, Any], check: str, expected: str) -> None:
+    base = {names.KV_BLOCK_SIZE: 32, names.PREFIX_CACHING: True}
+    spans = conversation_spans(
+        prefill_resource={**base, **resource}, decode_resource={**base, names.KV_BLOCK_SIZE: 32}
+    )
+    assert status(run(spans))[check] == expected
+
+
+@pytest.mark.parametrize(
+    ("router_ttl", "expected"), [(6.9, names.CHECK_PASS), (7.1, names.CHECK_FAIL), (None, names.CHECK_SKIP)]
+)
+def test_router_ttl_against_the_decode_ttl_less_the_read_margin(
+    router_ttl: float | None, expected: str
+) -> None:
+    # decoder_kv_blocks_ttl 12 s; vLLM declines a read from 5 s before the deadline.
+    assert (
+        status(run(conversation_spans(), router_handle_ttl_s=router_ttl))[names.CHECK_ROUTER_TTL] == expected
+    )
+
+
+@pytest.mark.parametrize(("gap_s", "expected"), [(1.0, names.CHECK_PASS), (8.0, names.CHECK_FAIL)])
+def test_ttl_against_the_gaps(gap_s: float, expected: str) -> None:
+    spans = []
+    prev = ""
+    for i in range(3):
+        trace = turn_trace("conv-g", i, start_s=100.0 + (gap_s + 1) * i, gap_s=gap_s, prev_trace=prev)
+        prev = trace[0].trace_id
+        spans += trace
+    answer = run(spans)
+    assert status(answer)[names.CHECK_TTL_VS_GAPS] == expected
+    ev = {c["id"]: c for c in answer["checks"]}[names.CHECK_TTL_VS_GAPS]["evidence"]
+    assert ev["gap_p50_s"] == gap_s and ev["follow_up_turns"] == 2
+
+
+def test_no_traffic_skips_and_connector_without_spans_fails() -> None:
+    empty = run([])
+    assert set(status(empty).values()) == {names.CHECK_SKIP}
+    assert empty["verdict"] == names.CHECK_PASS
+    probe = EngineProbe("http://p:8000", otelkv_metrics=True)
+    got = run([], probes=[probe])
+    assert got["checks"][0]["status"] == names.CHECK_FAIL
+    assert "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in got["checks"][0]["fix"]
+
+
+def test_probe_reads_connector_nixl_and_cache_config() -> None:
+    text = (
+        "# HELP otelkv_pull_decisions_total x\n# TYPE otelkv_pull_decisions_total counter\n"
+        'otelkv_pull_decisions_total{decision="pull",reason="pulled"} 2.0\n'
+        "# HELP vllm:cache_config_info x\n# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0\n'
+    )
+    p = parse("http://p:8000", text)
+    assert p.otelkv_metrics and not p.nixl_metrics and p.error is None
+    assert p.cache == {"block_size": "32", "cache_dtype": "auto", "enable_prefix_caching": "True"}
+    assert EngineProbe.from_dict(json.loads(json.dumps(p.as_dict()))) == p
+    with pytest.raises(ValueError):
+        EngineProbe.from_dict({"url": 3})
+
+
+def test_text_rendering_names_each_check_and_the_fix() -> None:
+    answer = run(orphaned(conversation_spans()))
+    out = io.StringIO()
+    show_doctor(answer, out)
+    text = out.getvalue()
+    assert "[FAIL] The conversation id reaches the engines" in text
+    assert "fix: Forward X-Session-ID" in text and text.rstrip().endswith("verdict: fail")
