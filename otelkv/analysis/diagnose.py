@@ -572,21 +572,27 @@ def check_router_forwards_no_identity(turn: Turn, ctx: Context) -> Diagnosis | N
     ]
     if not inferred and not no_id:
         return None
-    lost = []
-    if inferred:
-        lost.append("the turn's trace context")
-    if no_id:
-        lost.append("its conversation id")
-    joined = (
-        f"otelkv joined them to this turn by inference ({', '.join(turn.join.evidence)})"
-        if inferred
-        else "they still joined this turn's trace"
-    )
+    if inferred and no_id:
+        summary = (
+            "The engines received neither the turn's trace context nor its conversation id: no "
+            "vllm_xargs in the body, no traceparent or X-Session-ID header reached them. otelkv joined "
+            f"their requests to this turn by inference ({', '.join(turn.join.evidence)})."
+        )
+    elif inferred:
+        summary = (
+            "The engines did not receive the turn's trace context (no vllm_xargs in the body, no "
+            "traceparent with vLLM tracing on); otelkv joined their requests to this turn by inference "
+            f"({', '.join(turn.join.evidence)})."
+        )
+    else:
+        summary = (
+            f"The {' and '.join(no_id)} request(s) joined this turn's trace but did not receive its "
+            f"conversation id {turn.conversation_id!r} (no X-Session-ID header, no vllm_xargs.session_id)."
+        )
     return Diagnosis(
         names.DIAG_ROUTER_FORWARDS_NO_IDENTITY,
         title(names.DIAG_ROUTER_FORWARDS_NO_IDENTITY),
-        f"The engines received {' and '.join(lost)}: neither the body's vllm_xargs nor a traceparent or "
-        f"X-Session-ID header reached them; {joined}.",
+        summary,
         {
             "join": turn.join.method,
             "join_evidence": list(turn.join.evidence),

@@ -113,14 +113,12 @@ def engines_of(spans: Iterable[SpanRecord]) -> list[Engine]:
     for span in spans:
         res = span.resource
         key = attr_str(res, names.ENGINE_ID) or f"{span.service_name}/{res.get('process.pid', '?')}"
-        if key in seen:
-            config, n, cont = seen[key]
-            seen[key] = (config, n + 1, cont)
-        else:
-            config = engine_config(res)
-            if config.role is None:  # the resource normally says; the request span always does
-                config.role = attr_str(span.attributes, names.ROLE) or None
-            seen[key] = (config, 1, bool(opt_bool(res, names.CONTINUITY_VERIFY)))
+        # Spans come oldest first: the latest configuration in force wins.
+        n = seen[key][1] if key in seen else 0
+        config = engine_config(res)
+        if config.role is None:  # the resource normally says; the request span always does
+            config.role = attr_str(span.attributes, names.ROLE) or None
+        seen[key] = (config, n + 1, bool(opt_bool(res, names.CONTINUITY_VERIFY)))
     return [Engine(k, c, n, cont) for k, (c, n, cont) in sorted(seen.items())]
 
 
@@ -265,6 +263,14 @@ def check_handle_forwarded(ev: Evidence) -> Check:
             names.CHECK_SKIP,
             "no follow-up turn whose previous decode handed back a live handle",
         )
+    # A prefill that did not say why (an older recorder) is no evidence either way.
+    follow = [t for t in follow if t.prefill is not None and t.prefill.reason is not None]
+    if not follow:
+        return Check(
+            names.CHECK_HANDLE_FORWARDED,
+            names.CHECK_SKIP,
+            "no follow-up prefill request stated its pull reason",
+        )
     carried = sum(
         1 for t in follow if t.prefill is not None and t.prefill.reason != names.REASON_NO_DECODE_HANDLE
     )
@@ -314,6 +320,15 @@ def check_bidirectional(ev: Evidence) -> Check:
             'Set "bidirectional_kv_xfer": true in kv_connector_extra_config on the prefill and the '
             "decode engines.",
         )
+    roles = {e.config.role for e in known}
+    if names.ROLE_UNIFIED not in roles and not {names.ROLE_PREFILL, names.ROLE_DECODE} <= roles:
+        seen = "/".join(sorted(r for r in roles if r)) or "unknown-role"
+        return Check(
+            names.CHECK_BIDIRECTIONAL,
+            names.CHECK_SKIP,
+            f"on on the {seen} engines; no engine of the other role stated it",
+            evidence,
+        )
     return Check(names.CHECK_BIDIRECTIONAL, names.CHECK_PASS, f"on on all {len(known)} engines", evidence)
 
 
@@ -325,19 +340,22 @@ def check_engines_agree(ev: Evidence) -> Check:
             "block_size": e.config.block_size,
             "kv_cache_dtype": e.config.kv_cache_dtype,
         }
+    # /metrics of the engines named with --engine are compared too; an engine seen both in
+    # spans and on /metrics is one engine, so the count comes from whichever saw more.
+    probed = 0
     for p in ev.probes:
         if p.cache:
             dtype = p.cache.get("cache_dtype")
+            block = p.cache.get("block_size", "")
             facts[p.url] = {
-                "block_size": int(p.cache["block_size"]) if p.cache.get("block_size", "").isdigit() else None,
+                "block_size": int(block) if block.isascii() and block.isdecimal() else None,
                 "kv_cache_dtype": dtype if dtype and dtype != "auto" else None,
             }
-    if len(facts) < 2:
+            probed += 1
+    count = max(len(ev.engines), probed)
+    if count < 2:
         return Check(
-            names.CHECK_ENGINES_AGREE,
-            names.CHECK_SKIP,
-            f"{len(facts)} engine(s) seen: nothing to compare",
-            facts,
+            names.CHECK_ENGINES_AGREE, names.CHECK_SKIP, f"{count} engine seen: nothing to compare", facts
         )
     differ = []
     for key in ("model", "block_size", "kv_cache_dtype"):
@@ -353,7 +371,7 @@ def check_engines_agree(ev: Evidence) -> Check:
             "Serve the same model with the same --block-size and --dtype/--kv-cache-dtype on prefill "
             "and decode: KV computed under one layout cannot be read under another.",
         )
-    return Check(names.CHECK_ENGINES_AGREE, names.CHECK_PASS, f"{len(facts)} engines agree", facts)
+    return Check(names.CHECK_ENGINES_AGREE, names.CHECK_PASS, f"{count} engines agree", facts)
 
 
 def _decode_ttl(ev: Evidence) -> float | None:
@@ -443,10 +461,7 @@ def check_prefix_cache(ev: Evidence) -> Check:
         for e in ev.engines
         if e.config.role == names.ROLE_PREFILL and e.config.prefix_caching is not None
     }
-    for p in ev.probes:
-        value = p.cache.get("enable_prefix_caching")
-        if value in ("True", "False"):
-            known.setdefault(p.url, value == "True")
+    # Not from /metrics: a probe does not say whether its engine is a prefill or a decode node.
     if not known:
         return Check(
             names.CHECK_PREFIX_CACHE, names.CHECK_SKIP, "no prefill engine stated its prefix caching"
@@ -476,6 +491,15 @@ def check_load_failure_policy(ev: Evidence) -> Check:
         return Check(
             names.CHECK_LOAD_FAILURE_POLICY, names.CHECK_SKIP, "no engine stated kv_load_failure_policy"
         )
+    if failed:
+        return Check(
+            names.CHECK_LOAD_FAILURE_POLICY,
+            names.CHECK_FAIL,
+            f"{failed} requests failed because their KV read failed or was declined",
+            evidence,
+            "Keep the router's handle TTL below decoder_kv_blocks_ttl minus 5 s (`otelkv why` on one of them "
+            "names the cause).",
+        )
     recompute = [k for k, v in policies.items() if v == "recompute"]
     if recompute:
         return Check(
@@ -486,15 +510,6 @@ def check_load_failure_policy(ev: Evidence) -> Check:
             evidence,
             "Use kv_load_failure_policy=fail and keep the router's handle TTL within decoder_kv_blocks_ttl "
             "so declined reads do not happen.",
-        )
-    if failed:
-        return Check(
-            names.CHECK_LOAD_FAILURE_POLICY,
-            names.CHECK_FAIL,
-            f"{failed} requests failed because their KV read failed or was declined",
-            evidence,
-            "Keep the router's handle TTL below decoder_kv_blocks_ttl minus 5 s (`otelkv why` on one of them "
-            "names the cause).",
         )
     return Check(names.CHECK_LOAD_FAILURE_POLICY, names.CHECK_PASS, "no request failed a KV load", evidence)
 
@@ -541,11 +556,12 @@ def run_checks(ev: Evidence) -> list[Check]:
 
 
 def verdict(checks: Iterable[Check]) -> str:
+    """The worst status; ``skip`` only when every check skipped (no evidence at all)."""
     statuses = {c.status for c in checks}
-    for status in (names.CHECK_FAIL, names.CHECK_WARN):
+    for status in (names.CHECK_FAIL, names.CHECK_WARN, names.CHECK_PASS):
         if status in statuses:
             return status
-    return names.CHECK_PASS
+    return names.CHECK_SKIP
 
 
 def doctor(
@@ -559,8 +575,10 @@ def doctor(
 ) -> dict[str, Any]:
     """The doctor's document for a window: every check, the engines seen, the probes."""
     turns, total = window_turns(source, since_ns=since_ns, until_ns=until_ns, max_turns=max_turns)
+    # The engine requests of the same stretch as the turns read (the newest, when some were left out).
+    first = min((t.start_ns for t in turns), default=since_ns or 0) if total > len(turns) else since_ns or 0
     spans = source.engine_requests(
-        since_ns=since_ns or 0, until_ns=until_ns if until_ns is not None else 2**62, limit=ENGINE_SPAN_LIMIT
+        since_ns=first, until_ns=until_ns if until_ns is not None else 2**62, limit=ENGINE_SPAN_LIMIT
     )
     ev = Evidence(turns, engines_of(spans), spans, list(probes), router_handle_ttl_s)
     checks = run_checks(ev)
@@ -574,6 +592,7 @@ def doctor(
         engines=[
             {
                 "key": e.key,
+                "role": e.config.role,
                 "requests": e.requests,
                 "continuity_verified": e.continuity,
                 **turn_json.config_object(e.config),

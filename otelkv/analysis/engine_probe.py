@@ -72,12 +72,11 @@ def probe(url: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> EngineProbe:
     try:
         with urllib.request.urlopen(target, timeout=timeout_s) as resp:
             text = resp.read(MAX_BYTES).decode("utf-8", "replace")
-    except ImportError as exc:  # pragma: no cover - the stdlib is there
-        return EngineProbe(url, error=str(exc))
     except urllib.error.HTTPError as exc:
         return EngineProbe(url, error=f"GET {target} answered {exc.code}")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return EngineProbe(url, error=f"GET {target} failed: {getattr(exc, 'reason', exc)}")
+    except Exception as exc:  # noqa: BLE001 - anything (refused, not HTTP, a bad URL) is one line
+        reason = getattr(exc, "reason", None) or exc
+        return EngineProbe(url, error=f"GET {target} failed: {type(exc).__name__}: {reason}"[:300])
     try:
         return parse(url, text)
     except ImportError:

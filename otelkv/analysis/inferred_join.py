@@ -11,7 +11,9 @@ recorded, and only when the evidence singles out one pairing:
   tokens the turn's output tokens (a known mismatch rules the pair out);
 * the prefill and decode requests of one routed request share their request id.
 
-A pair needs the response id or equal prompt tokens besides the window. A request is
+A pair needs the response id or equal prompt tokens besides the window. Legs with different
+ids (a router that gives each leg its own) are matched each on its own, and a turn's joins
+(one per role at most) are merged into one :class:`Join`. A request is
 joined to a turn only when that turn is its one candidate and it is the turn's one
 candidate for its role: never two turns to one request, nor one request to two turns; an
 ambiguous request stays unjoined (and is counted as such).
@@ -67,7 +69,7 @@ class Group:
 
 @dataclass(frozen=True)
 class Join:
-    """Engine request traces tied to a turn, and the evidence that tied them."""
+    """Engine request traces tied to a turn (one request per role at most), and the evidence."""
 
     turn_trace_id: str
     trace_ids: tuple[str, ...]
@@ -85,10 +87,17 @@ class Outcome:
 
 def group(orphans: Iterable[Orphan]) -> list[Group]:
     """Legs sharing a request id form one group (a router that reuses its id on both legs);
-    a leg without an id is a group of its own."""
+    a leg without an id is a group of its own. A trace holding more than one orphan request
+    is left out: which of them belongs where cannot be told apart."""
+    orphans = list(orphans)
+    per_trace: dict[str, int] = {}
+    for orphan in orphans:
+        per_trace[orphan.trace_id] = per_trace.get(orphan.trace_id, 0) + 1
     by_id: dict[str, Group] = {}
     out: list[Group] = []
     for orphan in orphans:
+        if per_trace[orphan.trace_id] > 1:
+            continue
         key = orphan.leg.base_request_id
         if not key:
             out.append(Group([orphan]))
@@ -101,7 +110,11 @@ def group(orphans: Iterable[Orphan]) -> list[Group]:
 
 
 def evidence(turn: TurnFacts, grp: Group, tolerance_s: float = TOLERANCE_S) -> tuple[str, ...] | None:
-    """What ties ``grp`` to ``turn``, or None when something rules the pair out."""
+    """What ties ``grp`` to ``turn``, or None when something rules the pair out (a group with
+    two requests of one role, a retry under the same id, is never tied)."""
+    roles = [o.leg.role for o in grp.orphans]
+    if len(roles) != len(set(roles)):
+        return None
     tol = int(tolerance_s * 1e9)
     found: list[str] = []
     for orphan in grp.orphans:
@@ -124,8 +137,8 @@ def evidence(turn: TurnFacts, grp: Group, tolerance_s: float = TOLERANCE_S) -> t
         found.append(names.EVIDENCE_PROMPT_TOKENS)
     if turn.output_tokens is not None and any(leg.output_tokens is not None for leg in decodes):
         found.append(names.EVIDENCE_OUTPUT_TOKENS)
-    if not found:
-        return None  # the window alone never joins
+    if not found or not {names.EVIDENCE_RESPONSE_ID, names.EVIDENCE_PROMPT_TOKENS} & set(found):
+        return None  # the window, or the window and output tokens, never join alone
     found.append(names.EVIDENCE_ARRIVAL_WINDOW)
     if len(grp.roles) > 1:
         found.append(names.EVIDENCE_SHARED_REQUEST_ID)
@@ -173,7 +186,12 @@ def match(
         if all(per_turn_role.get((turn_id, role)) == [i] for role in groups[i].roles):
             joins[i] = turn_id
 
-    out = [Join(turn_id, groups[i].trace_ids, cands[i][turn_id]) for i, turn_id in sorted(joins.items())]
+    merged: dict[str, tuple[list[str], list[str]]] = {}
+    for i, turn_id in sorted(joins.items()):
+        traces, found = merged.setdefault(turn_id, ([], []))
+        traces.extend(t for t in groups[i].trace_ids if t not in traces)
+        found.extend(e for e in cands[i][turn_id] if e not in found)
+    out = [Join(turn_id, tuple(traces), tuple(found)) for turn_id, (traces, found) in merged.items()]
     ambiguous = sum(len(groups[i].orphans) for i in range(len(groups)) if i not in joins and cands[i])
     unmatched = sum(len(groups[i].orphans) for i in range(len(groups)) if not cands[i])
     return Outcome(out, ambiguous, unmatched)

@@ -23,6 +23,10 @@ ORPHAN_LIMIT = 20_000
 """Most engine requests without a parent read to join one batch of turns by inference."""
 NEIGHBOUR_LOOKBACK_S = 600.0
 """How long before an orphan engine request a turn that could have sent it may have started."""
+CLUSTER_GAP_S = 60.0
+"""Turns to join by inference less than this apart share one orphan query (a conversation's
+turns, usually); farther apart, each cluster is read on its own, so a window of days does not
+read every engine request in between."""
 
 
 def load_turns(
@@ -33,8 +37,8 @@ def load_turns(
     fetched: dict[str, list[SpanRecord]] | None = None,
 ) -> list[Turn]:
     """Model the given turn spans (one turn per trace), each linked to its previous turn, in
-    two or three queries (three more when some turn's engine requests came in traces of
-    their own and are joined by inference, :func:`infer_joins`). ``fetched``: traces
+    two or three queries (and three per cluster of turns whose engine requests came in
+    traces of their own and are joined by inference, :func:`infer_joins`). ``fetched``: traces
     already read (trace id -> spans), not read again."""
     turn_spans = one_per_trace(turn_spans)
     if not turn_spans:
@@ -130,6 +134,30 @@ def _facts(span: SpanRecord) -> inferred_join.TurnFacts:
     )
 
 
+def _clusters(intervals: Sequence[tuple[int, int]], gap_ns: int) -> list[tuple[int, int]]:
+    """The intervals merged where less than ``gap_ns`` apart (one orphan query per cluster)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1] + gap_ns:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _orphans(spans: Sequence[SpanRecord]) -> list[inferred_join.Orphan]:
+    """One entry per engine request without a parent in an orphan trace."""
+    out = []
+    for root in spans:
+        if is_engine_request(root) and not root.parent_span_id:
+            kids = [s for s in spans if s.parent_span_id == root.span_id]
+            built = build_turn([root, *kids])
+            leg = (built.prefill or built.decode) if built else None
+            if leg is not None:
+                out.append(inferred_join.Orphan(root.trace_id, leg))
+    return out
+
+
 def infer_joins(
     source: SpanSource, by_trace: dict[str, list[SpanRecord]]
 ) -> dict[str, tuple[inferred_join.Join, list[SpanRecord]]]:
@@ -137,59 +165,53 @@ def infer_joins(
     that arrived in traces of their own and :func:`otelkv.analysis.inferred_join.match` ties
     to them (turn trace id -> the join and the engine traces' spans).
 
-    The candidates are every turn the orphan requests could belong to, loaded or not, so a
-    turn's join is the same whichever verb asked for it. Nothing is read when every turn
-    has its engine requests (a fleet whose identity reaches the engines).
+    Orphan requests are read around each cluster of such turns; the candidates are every
+    turn those requests could belong to, loaded or not, so a turn's join is the same
+    whichever verb asked for it (as long as a cluster holds fewer than
+    :data:`ORPHAN_LIMIT` orphan requests and no turn lasted longer than
+    :data:`NEIGHBOUR_LOOKBACK_S`). Nothing is read when every turn has its engine requests
+    (a fleet whose identity reaches the engines).
     """
     bare: dict[str, SpanRecord] = {}
     for tid, spans in by_trace.items():
         turns = [s for s in spans if is_turn_span(s)]
         if turns and not any(is_engine_request(s) for s in spans):
             bare[tid] = min(turns, key=turn_rank)
-    if not bare:
-        return {}
     tol = int(inferred_join.TOLERANCE_S * 1e9)
-    roots = source.engine_requests(
-        since_ns=min(s.start_ns for s in bare.values()) - tol,
-        until_ns=max(s.end_ns for s in bare.values()) + tol,
-        roots_only=True,
-        limit=ORPHAN_LIMIT,
-    )
-    if not roots:
-        return {}
-    orphan_spans = {
-        tid: spans
-        for tid, spans in group_by_trace(source.trace_spans([r.trace_id for r in roots])).items()
-        if not any(is_turn_span(s) for s in spans)
-    }
-    orphans = []
-    for tid, spans in orphan_spans.items():
-        engine_turn = build_turn(spans)
-        for leg in (engine_turn.prefill, engine_turn.decode) if engine_turn else ():
-            if leg is not None:
-                orphans.append(inferred_join.Orphan(tid, leg))
-    if not orphans:
-        return {}
-    lo = min(o.leg.start_ns for o in orphans) - tol
-    hi = max(o.leg.end_ns for o in orphans) + tol
-    candidates = dict(bare)
-    others = [
-        s
-        for s in one_per_trace(
-            source.turn_spans(
-                since_ns=lo - int(NEIGHBOUR_LOOKBACK_S * 1e9), until_ns=hi, limit=None, slowest_first=False
-            )
-        )
-        if s.trace_id not in by_trace and s.end_ns >= lo
-    ]
-    if others:
-        joined = {
-            s.trace_id for s in source.trace_spans([s.trace_id for s in others]) if is_engine_request(s)
+    lookback = int(NEIGHBOUR_LOOKBACK_S * 1e9)
+    out: dict[str, tuple[inferred_join.Join, list[SpanRecord]]] = {}
+    windows = [(s.start_ns - tol, s.end_ns + tol) for s in bare.values()]
+    for lo, hi in _clusters(windows, int(CLUSTER_GAP_S * 1e9)):
+        roots = source.engine_requests(since_ns=lo, until_ns=hi, roots_only=True, limit=ORPHAN_LIMIT)
+        if not roots:
+            continue
+        orphan_spans = {
+            tid: spans
+            for tid, spans in group_by_trace(source.trace_spans([r.trace_id for r in roots])).items()
+            if not any(is_turn_span(s) for s in spans)
         }
-        candidates.update((s.trace_id, s) for s in others if s.trace_id not in joined)
-    outcome = inferred_join.match([_facts(s) for s in candidates.values()], orphans)
-    return {
-        j.turn_trace_id: (j, [s for tid in j.trace_ids for s in orphan_spans[tid]])
-        for j in outcome.joins
-        if j.turn_trace_id in bare
-    }
+        orphans = [o for spans in orphan_spans.values() for o in _orphans(spans)]
+        if not orphans:
+            continue
+        o_lo = min(o.leg.start_ns for o in orphans) - tol
+        o_hi = max(o.leg.end_ns for o in orphans) + tol
+        candidates = {
+            tid: span for tid, span in bare.items() if span.end_ns >= o_lo and span.start_ns <= o_hi
+        }
+        others = [
+            s
+            for s in one_per_trace(
+                source.turn_spans(since_ns=o_lo - lookback, until_ns=o_hi, limit=None, slowest_first=False)
+            )
+            if s.trace_id not in by_trace and s.end_ns >= o_lo
+        ]
+        if others:
+            joined = {
+                s.trace_id for s in source.trace_spans([s.trace_id for s in others]) if is_engine_request(s)
+            }
+            candidates.update((s.trace_id, s) for s in others if s.trace_id not in joined)
+        outcome = inferred_join.match([_facts(s) for s in candidates.values()], orphans)
+        for join in outcome.joins:
+            if join.turn_trace_id in bare and join.turn_trace_id not in out:
+                out[join.turn_trace_id] = (join, [s for tid in join.trace_ids for s in orphan_spans[tid]])
+    return out

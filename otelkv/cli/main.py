@@ -76,9 +76,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_sidecar(args)
     handler = getattr(args, "handler", None)
-    if handler is not None:
+    if handler is None:
+        return 2
+    try:
         return int(handler(args))
-    return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one line, never a traceback
+        message = " ".join(str(exc).split())
+        print(f"otelkv {args.command}: failed: {type(exc).__name__}: {message}"[:500], file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

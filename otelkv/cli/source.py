@@ -72,17 +72,23 @@ def _instant_ns(text: str, now_ns: int) -> int:
     """A point in time: an ISO 8601 timestamp (``2026-12-01T22:00:00Z``; no zone means UTC)
     or a duration before now (:func:`parse_duration`)."""
     if _DURATION.match(text or ""):
-        return now_ns - int(parse_duration(text) * 1e9)
+        seconds = parse_duration(text)
+        if seconds * 1e9 >= now_ns:
+            raise QueryError(f"{text[:40]!r} reaches back before 1970: use a shorter duration")
+        return now_ns - int(seconds * 1e9)
     try:
         when = datetime.fromisoformat(text.strip().replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
+    except (ValueError, OverflowError):
         raise QueryError(
             f"bad time {text!r}: use a duration before now (90s, 15m, 2h, 1d) or an ISO 8601 time "
             "(2026-12-01T22:00:00Z)"
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
-    return int(when.timestamp()) * 1_000_000_000 + when.microsecond * 1000
+    ns = int(when.timestamp()) * 1_000_000_000 + when.microsecond * 1000
+    if not 0 <= ns < 2**63:
+        raise QueryError(f"{text[:40]!r} is outside 1970-2262, the range of nanosecond timestamps")
+    return ns
 
 
 def window_ns(since: str | None, until: str | None, *, now_ns: int | None = None) -> tuple[int, int | None]:

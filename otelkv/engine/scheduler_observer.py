@@ -622,8 +622,9 @@ def engine_resource_attributes(settings: EngineSettings, connector_name: str) ->
         names.DECODER_KV_BLOCKS_TTL: settings.decoder_ttl_s,
         names.KV_LOAD_FAILURE_POLICY: settings.load_failure_policy,
         names.GEN_AI_REQUEST_MODEL: settings.model,
-        names.KV_CACHE_DTYPE: settings.kv_cache_dtype,
     }
+    if settings.kv_cache_dtype:
+        attrs[names.KV_CACHE_DTYPE] = settings.kv_cache_dtype
     if settings.block_size is not None:
         attrs[names.KV_BLOCK_SIZE] = settings.block_size
     if settings.prefix_caching is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -143,11 +144,13 @@ class QueryApi:
             until = _opt_int(body.get("until_ns"))
             ttl = body.get("router_handle_ttl_s")
             ttl = float(ttl) if ttl not in (None, "") else self.router_handle_ttl_s
+            if ttl is not None and not (math.isfinite(ttl) and ttl >= 0):
+                raise ValueError("router_handle_ttl_s must be a number of seconds >= 0")
             sent = body.get("probes") or []
             if not isinstance(sent, list) or len(sent) > MAX_PROBES:
                 raise ValueError(f"'probes' must be a list of at most {MAX_PROBES}")
             probes = [EngineProbe.from_dict(p) for p in sent]
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             return web.json_response({"error": f"bad doctor request: {exc}"[:300]}, status=400)
         loop = asyncio.get_running_loop()
         own = await asyncio.gather(
@@ -168,6 +171,9 @@ def _opt_int(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ValueError(f"not an integer: {str(value)[:40]!r}")
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ValueError(f"not an integer: {value[:40]!r}") from None
+    if not 0 <= number < 2**63:
+        raise ValueError(f"out of range (0 to 2**63 - 1 nanoseconds): {str(value)[:40]!r}")
+    return number

@@ -32,6 +32,8 @@ class ResponseFacts:
     first_token_ns: int | None = None
     last_token_ns: int | None = None
     parsed: bool = False
+    stream_done: bool = False
+    """The stream's ``data: [DONE]`` went by: the client was sent the whole answer."""
 
 
 class ResponseObserver:
@@ -81,7 +83,10 @@ class ResponseObserver:
         return self.facts
 
     def _sse_data(self, payload: bytes, now_ns: int) -> None:
-        if not payload or payload == b"[DONE]":
+        if payload == b"[DONE]":
+            self.facts.stream_done = True
+            return
+        if not payload:
             return
         try:
             data = json.loads(payload)

@@ -126,6 +126,15 @@ class _Turn:
                 facts = self.observer.finish(end_ns)
             except Exception:
                 logger.exception("otelkv sidecar: response observer failed")
+        if (
+            error == names.CLIENT_DISCONNECTED
+            and facts is not None
+            and facts.stream_done
+            and 200 <= status < 300
+        ):
+            # The client got the whole stream ([DONE] included) and closed before the chunked
+            # body's terminator: a client that stops reading at [DONE], not an interrupted turn.
+            error = None
         if self.identity is not None and self.start is not None:
             self.tracker.end(
                 self.identity.conversation_id,

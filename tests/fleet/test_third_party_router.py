@@ -391,6 +391,13 @@ def test_doctor_fails_what_the_copying_router_lacks(fleet: Fleet, phases: dict[s
     assert answer["verdict"] == names.CHECK_FAIL
     checks = {c["id"]: c for c in answer["checks"]}
     # What the scenario did: 3 of the 5 turns streamed; the 3 follow-ups carried no handle.
+    # All 5 turns count: the client read each stream to its [DONE] (it then closes before the
+    # chunked terminator this router sends apart), so none was an interrupted turn.
+    assert answer["turn_count"] == 5
+    assert fleet.sidecar is not None
+    copied = report.conversation(StoreSource(fleet.sidecar.store), COPYING.conversation_id)["turns"]
+    client = phases["copying"].turns[COPYING.conversation_id]
+    assert [t["outcome"] for t in copied] == ["interrupted" if r.interrupted else "ok" for r in client]
     assert checks[names.CHECK_DECODE_NOT_STREAMED]["evidence"] == {"decode_requests": 5, "streamed": 3}
     assert checks[names.CHECK_HANDLE_FORWARDED]["evidence"] == {"follow_up_turns": 3, "with_handle": 0}
     assert all(p["otelkv_metrics"] and p["cache"].get("block_size") for p in answer["probes"])

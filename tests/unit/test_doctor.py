@@ -222,7 +222,7 @@ def test_ttl_against_the_gaps(gap_s: float, expected: str) -> None:
 def test_no_traffic_skips_and_connector_without_spans_fails() -> None:
     empty = run([])
     assert set(status(empty).values()) == {names.CHECK_SKIP}
-    assert empty["verdict"] == names.CHECK_PASS
+    assert empty["verdict"] == names.CHECK_SKIP
     probe = EngineProbe("http://p:8000", otelkv_metrics=True)
     got = run([], probes=[probe])
     assert got["checks"][0]["status"] == names.CHECK_FAIL
@@ -251,3 +251,160 @@ def test_text_rendering_names_each_check_and_the_fix() -> None:
     text = out.getvalue()
     assert "[FAIL] The conversation id reaches the engines" in text
     assert "fix: Forward X-Session-ID" in text and text.rstrip().endswith("verdict: fail")
+
+
+# ------------------------------------------------------------------ CLI and the sidecar's API
+
+
+@pytest.fixture
+def api() -> Any:
+    """The sidecar's real query API over a conversation whose router rebuilt the bodies, with
+    one configured engine: a local server answering /metrics like an engine with otelkv."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from otelkv.sidecar.api import QueryApi
+
+    exposition = (
+        "# HELP otelkv_pull_decisions_total x\n# TYPE otelkv_pull_decisions_total counter\n"
+        'otelkv_pull_decisions_total{decision="pull",reason="pulled"} 2.0\n'
+    )
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=exposition, content_type="text/plain")
+
+    loop = asyncio.new_event_loop()
+    runners = []
+
+    def serve(app: web.Application) -> str:
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        runners.append(runner)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    engine = web.Application()
+    engine.router.add_get("/metrics", metrics)
+    engine_url = serve(engine)
+    app = web.Application()
+    source = InMemorySource(orphaned(conversation_spans()))
+    app.add_routes(QueryApi(source, "memory", engine_urls=(engine_url,)).routes())
+    url = serve(app)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield url, engine_url
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        for runner in runners:
+            loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+
+def test_cli_doctor_through_the_sidecar_exits_1_on_a_failed_prerequisite(
+    api: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from otelkv.cli.main import main
+
+    url, engine_url = api
+    # The spans lie in 2023; an unroutable --engine is read by the CLI (and reported), never by the sidecar.
+    code = main(["doctor", "--sidecar", url, "--since", "1000w", "--engine", "http://127.0.0.1:9", "--json"])
+    answer = assert_valid(json.loads(capsys.readouterr().out))
+    assert code == 1 and answer["verdict"] == names.CHECK_FAIL
+    probes = {p["url"]: p for p in answer["probes"]}
+    assert probes["http://127.0.0.1:9"]["error"].startswith("GET http://127.0.0.1:9/metrics failed")
+    assert probes[engine_url]["otelkv_metrics"] is True  # the sidecar's own --engine
+    assert main(["doctor", "--sidecar", url, "--since", "1000w"]) == 1
+    assert "verdict: fail" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"since_ns": "soon"}',
+        b'{"since_ns": true}',
+        b'{"router_handle_ttl_s": "long"}',
+        b'{"router_handle_ttl_s": NaN}',
+        b'{"router_handle_ttl_s": -1}',
+        b'{"probes": {"url": "x"}}',
+        b'{"probes": [{"url": 3}]}',
+        b'{"probes": [{"url": "x", "cache": {"block_size": 32}}]}',
+        b'{"probes": [' + b",".join([b'{"url": "x"}'] * 65) + b"]}",
+    ],
+)
+def test_bad_doctor_requests_get_a_400_with_one_line(api: Any, body: bytes) -> None:
+    import urllib.error
+    import urllib.request
+
+    url, _ = api
+    request = urllib.request.Request(
+        url + "/api/v1/doctor", data=body, headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == 400
+    message = json.loads(caught.value.read())["error"]
+    assert message.startswith("bad doctor request") and "\n" not in message
+
+
+def test_legs_with_their_own_request_ids_both_join_their_turn() -> None:
+    """The prefill and decode requests carry different ids: each is matched on its own and the
+    turn gets both (the response id names the decode request)."""
+    spans = orphaned(conversation_spans())
+    spans = [
+        replace(s, attributes={**s.attributes, names.GEN_AI_REQUEST_ID: "chatcmpl-other-" + s.span_id})
+        if s.attributes.get(names.ROLE) == names.ROLE_PREFILL
+        else s
+        for s in spans
+    ]
+    answer = assert_valid(conversation(InMemorySource(spans), "conv-d"))
+    for turn in answer["turns"]:
+        assert turn["prefill"] is not None and turn["decode"] is not None, turn["engine_join"]
+        assert turn["engine_join"]["method"] == names.JOIN_INFERRED
+
+
+def test_a_bare_sidecar_turn_with_nothing_matching_stays_unjoined() -> None:
+    spans = orphaned(conversation_spans())
+    # Usage that matches no engine request (the router answered from somewhere else).
+    spans = [
+        replace(
+            s,
+            attributes={**s.attributes, names.GEN_AI_USAGE_INPUT_TOKENS: 999, names.GEN_AI_RESPONSE_ID: "x"},
+        )
+        if s.scope_name == names.SCOPE_SIDECAR
+        else s
+        for s in spans
+    ]
+    answer = assert_valid(conversation(InMemorySource(spans), "conv-d"))
+    assert all(t["engine_join"] is None and t["prefill"] is None for t in answer["turns"])
+    assert status(run(spans))[names.CHECK_TURNS_JOINED] == names.CHECK_FAIL
+
+
+def test_bidirectional_needs_both_roles_and_probes_do_not_double_count_engines() -> None:
+    decode_only = [s for s in conversation_spans() if s.attributes.get(names.ROLE) != names.ROLE_PREFILL]
+    assert status(run(decode_only))[names.CHECK_BIDIRECTIONAL] == names.CHECK_SKIP
+    one = [s for s in decode_only if s.scope_name != names.SCOPE_SIDECAR]
+    probe = EngineProbe("http://d:8000", cache={"block_size": "32", "cache_dtype": "auto"})
+    assert status(run(one, probes=[probe]))[names.CHECK_ENGINES_AGREE] == names.CHECK_SKIP
+    odd = EngineProbe("http://p:8000", cache={"block_size": "²", "cache_dtype": "auto"})
+    assert status(run(one, probes=[probe, odd]))[names.CHECK_ENGINES_AGREE] == names.CHECK_PASS
+
+
+def test_an_unexpected_failure_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from otelkv.cli import doctor_cmd
+    from otelkv.cli.main import main
+
+    def broken(*args: Any, **kwargs: Any) -> int:
+        raise RuntimeError("store went away\nsecond line")
+
+    monkeypatch.setattr(doctor_cmd, "run_query", broken)
+    assert main(["doctor", "--store", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err == "otelkv doctor: failed: RuntimeError: store went away second line\n"

@@ -35,6 +35,12 @@ P, D = names.ROLE_PREFILL, names.ROLE_DECODE
 
 
 def pairs(outcome) -> dict[str, set[str]]:
+    """Turn -> joined traces, after checking that no trace is joined twice, no turn appears in
+    two joins, and no turn gets two requests of one role."""
+    traces = [t for j in outcome.joins for t in j.trace_ids]
+    assert len(traces) == len(set(traces)), outcome.joins
+    turns = [j.turn_trace_id for j in outcome.joins]
+    assert len(turns) == len(set(turns)), outcome.joins
     return {j.turn_trace_id: set(j.trace_ids) for j in outcome.joins}
 
 
@@ -98,3 +104,28 @@ def test_a_turn_taken_by_its_response_id_leaves_the_other_request_to_the_other_t
     turns = [turn("a", 10, 14, 200, rid="chatcmpl-x"), turn("b", 10.2, 14.5, 200)]
     orphans = [leg("dx", D, 10.3, 13, 200, rid="chatcmpl-x"), leg("dz", D, 10.4, 13.9, 200, rid="chatcmpl-z")]
     assert pairs(match(turns, orphans)) == {"a": {"dx"}, "b": {"dz"}}
+
+
+def test_legs_with_their_own_ids_join_one_turn_in_one_join() -> None:
+    """A router that gives each leg its own request id: each leg is matched on its own."""
+    out = match(
+        [turn("t1", 10, 12, 200, 32, "chatcmpl-d")],
+        [leg("p1", P, 10.1, 10.4, 200, 1, "chatcmpl-p"), leg("d1", D, 10.4, 11.9, 200, 32, "chatcmpl-d")],
+    )
+    assert pairs(out) == {"t1": {"p1", "d1"}}
+    assert names.EVIDENCE_RESPONSE_ID in out.joins[0].evidence
+
+
+def test_two_requests_of_one_role_under_one_id_are_never_joined() -> None:
+    """A retry under the same request id: which of the two answered cannot be told."""
+    orphans = [leg("d1", D, 10.2, 11, 200, 32, "chatcmpl-a"), leg("d2", D, 11, 11.9, 200, 32, "chatcmpl-a")]
+    assert match([turn("t1", 10, 12, 200, 32, "chatcmpl-a")], orphans).joins == []
+
+
+def test_a_trace_with_two_orphan_requests_is_left_out() -> None:
+    orphans = [leg("T", P, 10.1, 10.4, 200, rid="x"), leg("T", D, 10.4, 11.9, 200, rid="y")]
+    assert match([turn("a", 10, 12, 200), turn("b", 10, 12.5, 200)], orphans).joins == []
+
+
+def test_output_tokens_and_the_window_are_not_enough() -> None:
+    assert match([turn("a", 10, 14, None, 32)], [leg("d", D, 10.5, 13, 200, 32, rid="other")]).joins == []

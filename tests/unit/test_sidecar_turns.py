@@ -324,3 +324,18 @@ def test_body_context_follows_the_session_header_and_the_content_type() -> None:
     for ct in ([(b"Content-Type", b"text/plain")], []):
         extra, sent = _sent(TurnWatcher(lambda r: None), [*ct, (b"X-Conversation-Id", b"B")], body)
         assert sent == body and b"Content-Type" not in extra
+
+
+def test_a_client_that_closes_after_done_completed_its_turn() -> None:
+    """Clients that stop reading at ``data: [DONE]`` close before the chunked body's last
+    chunk: the relay sees the client go, but the turn was answered whole. Before [DONE] it
+    is an interruption."""
+    assert _record(status=200, error=names.CLIENT_DISCONNECTED).error is None
+    records: list[TurnRecord] = []
+    watcher = TurnWatcher(records.append)
+    exchange, _, _ = watcher.begin(_request(_chat(stream=True), headers=[(b"X-Session-ID", b"c")]))
+    assert exchange is not None
+    exchange.response_head(200, [(b"content-type", b"text/event-stream")])
+    exchange.response_body(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n')
+    exchange.finish(200, names.CLIENT_DISCONNECTED)
+    assert records[0].error == names.CLIENT_DISCONNECTED
