@@ -137,7 +137,8 @@ def check_engine_spans(ev: Evidence) -> Check:
     }
     exporter_fix = (
         "Set OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or vLLM's --otlp-traces-endpoint) on every engine to "
-        "the sidecar's OTLP receiver (http://SIDECAR:4318/v1/traces) or your collector."
+        "the sidecar's OTLP receiver (http://SIDECAR:8801/v1/traces, with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf) or your collector."
     )
     if not ev.engine_requests:
         if with_connector:

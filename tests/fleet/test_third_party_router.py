@@ -5,6 +5,11 @@ write one; the engines run with otelkv's connector but without ``--otlp-traces-e
 as most fleets do. The sidecar in front writes the turn's identity into the body
 (``vllm_xargs``); every engine request must still land in its turn's trace with its
 conversation id and its KV facts, and nothing of it may reach the client.
+
+The same router then rebuilds the body (dropping ``vllm_xargs``) while keeping handles: its
+engine requests arrive in traces of their own and must be joined to their turns by
+inference, each to the turn the router's own record says. ``otelkv doctor`` must fail
+exactly what each router behaviour lacks.
 """
 
 from __future__ import annotations
