@@ -212,6 +212,18 @@ REMOTE_KV_WAIT_SECONDS: Final = "otelkv.request.remote_kv_wait_s"
 REQUEST_STREAMED: Final = "otelkv.request.streamed"
 """The request asked vLLM for a stream (``SamplingParams.output_kind`` DELTA). On vLLM 0.32 a
 streamed response carries no ``kv_transfer_params``, whatever the engine handed back."""
+CONTINUITY_DIGEST: Final = "otelkv.continuity.digest"
+"""Prefill: whether the decode handle carried a continuity digest otelkv could use."""
+CONTINUITY_OFFERED: Final = "otelkv.continuity.offered_tokens"
+"""Prefill: prompt tokens the handle's KV would cover (``min(remote tokens, prompt)``)."""
+CONTINUITY_MATCHING: Final = "otelkv.continuity.matching_tokens"
+"""Prefill: offered tokens checked equal to the tokens that KV was computed for."""
+CONTINUITY_FIRST_MISMATCH: Final = "otelkv.continuity.first_mismatch"
+"""Prefill: token position where the first differing 32-token chunk starts (absent: none)."""
+CONTINUITY_MISMATCH_IN: Final = "otelkv.continuity.mismatch_in"
+"""Prefill: ``history`` (before the previous answer) or ``answer`` (inside it)."""
+XARG_CONTINUITY: Final = "otelkv_continuity"
+"""Key of the digest the decode node's otelkv adds to the ``kv_transfer_params`` it returns."""
 TRACE_CONTEXT_SOURCE: Final = "otelkv.trace_context.source"
 """Where the request's parent came from (:data:`TRACE_CONTEXT_SOURCES`)."""
 
@@ -310,6 +322,13 @@ EVIDENCE_OUTPUT_TOKENS: Final = "output_tokens"
 """The decode request's output tokens equal the turn's usage output tokens."""
 EVIDENCE_SHARED_REQUEST_ID: Final = "shared_request_id"
 """The prefill request shares its request id with the decode request matched to the turn."""
+
+CONTINUITY_IN_HISTORY: Final = "history"
+CONTINUITY_IN_ANSWER: Final = "answer"
+CONTINUITY_MATCH: Final = "match"
+CONTINUITY_MISMATCH: Final = "mismatch"
+CONTINUITY_UNVERIFIED: Final = "unverified"
+CONTINUITY_OUTCOMES: Final = (CONTINUITY_MATCH, CONTINUITY_MISMATCH, CONTINUITY_UNVERIFIED)
 
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
@@ -460,6 +479,7 @@ DIAG_NO_CONVERSATION_ID: Final = "no_conversation_id"
 DIAG_DECODE_NO_HANDLE: Final = "decode_returned_no_handle"
 DIAG_ROUTER_KEPT_NO_HANDLE: Final = "router_kept_no_handle"
 DIAG_ROUTER_FORWARDS_NO_IDENTITY: Final = "router_forwards_no_identity"
+DIAG_KV_FOR_OTHER_TOKENS: Final = "kv_reused_for_different_tokens"
 DIAG_BIDIRECTIONAL_OFF: Final = "bidirectional_off"
 DIAG_PULL_SLOWER_THAN_RECOMPUTE: Final = "pull_slower_than_recompute"
 DIAG_EXPIRED_READ_FAILED: Final = "expired_read_failed_request"
@@ -507,8 +527,10 @@ CHECKS: Final = (
     CHECK_CONTINUITY,
 )
 CONTINUITY_VERIFY: Final = "otelkv.continuity.verify"
-"""Resource attribute: the engine checks that KV it reads belongs to the prompt (absent: it
-does not; vLLM 0.32 trusts the decode handle)."""
+"""Resource attribute: how the engine checks that KV it reads belongs to the prompt
+(:data:`CONTINUITY_MODE_OBSERVE`; absent: it does not, as vLLM 0.32 trusts the handle)."""
+CONTINUITY_MODE_OBSERVE: Final = "observe"
+"""Handles are checked against the prompt and mismatches recorded; vLLM still loads them."""
 
 # Flags of ``otelkv tune`` (stable ids: settings that are clearly wrong, documented in docs/tune.md).
 TUNE_ROUTER_TTL_ABOVE_DECODE_TTL: Final = "router_ttl_above_decode_ttl"
@@ -548,6 +570,9 @@ METRIC_BODY_TRACE_CONTEXT: Final = "otelkv_body_trace_context"
 """Counter, label outcome: trace contexts read from the body (``vllm_xargs``), used or ignored."""
 METRIC_INSTRUMENTATION_ERRORS: Final = "otelkv_instrumentation_errors"
 """Counter, label site: exceptions otelkv caught inside its own code (fail-open)."""
+METRIC_CONTINUITY_TOKENS: Final = "otelkv_continuity_tokens"
+"""Counter, label outcome: tokens a decode handle offered a prefill request, by whether they
+match the prompt (:data:`CONTINUITY_OUTCOMES`)."""
 
 TRANSFER_SECONDS_BUCKETS: Final = (
     0.001,
@@ -767,6 +792,12 @@ ENGINE_METRICS: Final = (
         COUNTER,
         (LABEL_OUTCOME,),
         "Trace contexts read from the request body (vllm_xargs) when the headers had none, used or ignored.",
+    ),
+    Metric(
+        METRIC_CONTINUITY_TOKENS,
+        COUNTER,
+        (LABEL_OUTCOME,),
+        "Tokens a decode handle offered a prefill request: matching the prompt, not matching, or unverified.",
     ),
     Metric(
         METRIC_INSTRUMENTATION_ERRORS,

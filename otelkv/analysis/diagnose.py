@@ -241,6 +241,52 @@ def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
     return None
 
 
+@register(names.DIAG_KV_FOR_OTHER_TOKENS, "KV reused for different tokens", failure=True)
+def check_kv_for_other_tokens(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The prefill node loaded KV from the decode node for positions whose tokens differ from
+    the ones that KV was computed for (vLLM 0.32 does not compare them): the answer was
+    generated over KV of another text."""
+    leg = turn.prefill
+    cont = leg.continuity if leg is not None else None
+    if leg is None or cont is None or cont.first_mismatch is None or not leg.pulled:
+        return None
+    local = leg.local_cache or 0
+    loaded_end = local + leg.pulled
+    wrong = loaded_end - max(cont.first_mismatch, local)
+    if wrong <= 0:
+        return None
+    if cont.mismatch_in == names.CONTINUITY_IN_ANSWER:
+        cause = "the previous answer came back in this prompt as other tokens (re-rendered or re-tokenized)"
+        fix = (
+            "Send the previous answer back exactly as the model produced it (same text, same tool-call "
+            "rendering), or let the prefill recompute (raise kv_recompute_threshold above these turns)."
+        )
+    else:
+        cause = "the conversation's history was rewritten under the same conversation id"
+        fix = (
+            "Give a conversation whose history changed (compaction, an edited or dropped message) a new "
+            "conversation id, so the router sends no decode handle for it."
+        )
+    return Diagnosis(
+        names.DIAG_KV_FOR_OTHER_TOKENS,
+        title(names.DIAG_KV_FOR_OTHER_TOKENS),
+        f"The prefill node loaded {leg.pulled} tokens of KV from the decode node, {wrong} of them for "
+        f"positions whose tokens differ from the ones that KV was computed for (from token "
+        f"{cont.first_mismatch}): {cause}. The answer was generated over KV of another text.",
+        {
+            "offered_tokens": cont.offered,
+            "matching_tokens": cont.matching,
+            "first_mismatch": cont.first_mismatch,
+            "mismatch_in": cont.mismatch_in,
+            "pulled_tokens": leg.pulled,
+            "local_cache_tokens": local,
+            "wrong_tokens": wrong,
+        },
+        fix,
+        0.0,
+    )
+
+
 @register(names.DIAG_STUCK_WAITING_FOR_REMOTE_KV, "Request stuck waiting for remote KV", failure=True)
 def check_stuck(turn: Turn, ctx: Context) -> Diagnosis | None:
     for leg in _legs(turn):

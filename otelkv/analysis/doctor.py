@@ -22,7 +22,7 @@ from otelkv.analysis.engine_probe import EngineProbe
 from otelkv.analysis.linker import window_turns
 from otelkv.analysis.model import SOURCE_SIDECAR, EngineConfig, Turn, engine_config
 from otelkv.analysis.sources import SpanSource
-from otelkv.spans import SpanRecord, attr_str, opt_bool
+from otelkv.spans import SpanRecord, attr_str, opt_str
 
 PASS_SHARE = 0.9
 """A share-based check passes from this share of the turns up."""
@@ -74,7 +74,8 @@ class Engine:
     key: str
     config: EngineConfig
     requests: int
-    continuity: bool
+    continuity: str | None
+    """The engine's continuity mode (``observe``), None when it checks nothing."""
 
 
 @dataclass
@@ -109,7 +110,7 @@ def _served(ev: Evidence) -> list[Turn]:
 
 def engines_of(spans: Iterable[SpanRecord]) -> list[Engine]:
     """One entry per engine (its ``otelkv.engine_id``, else its service and pid)."""
-    seen: dict[str, tuple[EngineConfig, int, bool]] = {}
+    seen: dict[str, tuple[EngineConfig, int, str | None]] = {}
     for span in spans:
         res = span.resource
         key = attr_str(res, names.ENGINE_ID) or f"{span.service_name}/{res.get('process.pid', '?')}"
@@ -118,7 +119,7 @@ def engines_of(spans: Iterable[SpanRecord]) -> list[Engine]:
         config = engine_config(res)
         if config.role is None:  # the resource normally says; the request span always does
             config.role = attr_str(span.attributes, names.ROLE) or None
-        seen[key] = (config, n + 1, bool(opt_bool(res, names.CONTINUITY_VERIFY)))
+        seen[key] = (config, n + 1, opt_str(res, names.CONTINUITY_VERIFY))
     return [Engine(k, c, n, cont) for k, (c, n, cont) in sorted(seen.items())]
 
 
@@ -516,22 +517,46 @@ def check_load_failure_policy(ev: Evidence) -> Check:
 
 
 def check_continuity(ev: Evidence) -> Check:
+    """Prefill engines check handles against prompts, and the handles reach them with the digest."""
     prefill = [e for e in ev.engines if e.config.role in (names.ROLE_PREFILL, names.ROLE_UNIFIED)]
     if not prefill:
         return Check(names.CHECK_CONTINUITY, names.CHECK_SKIP, "no prefill engine in the window")
     unverified = [e.key for e in prefill if not e.continuity]
-    if not unverified:
+    if unverified:
         return Check(
-            names.CHECK_CONTINUITY, names.CHECK_PASS, f"verified on {len(prefill)} prefill engine(s)"
+            names.CHECK_CONTINUITY,
+            names.CHECK_WARN,
+            f"{len(unverified)} prefill engine(s) load the KV a decode handle names without checking that "
+            "it was computed for this prompt (vLLM 0.32 trusts the handle; otelkv's connector checks it)",
+            {"unverified": unverified},
+            "Run this otelkv version's connector on every engine; until then give a conversation whose "
+            "history was rewritten (compaction, an edited message) a new conversation id.",
+        )
+    checks = [t.prefill.continuity for t in _served(ev) if t.prefill is not None and t.prefill.continuity]
+    with_digest = sum(1 for c in checks if c.digest)
+    mismatched = sum(1 for c in checks if c.first_mismatch is not None)
+    evidence = {
+        "modes": {e.key: e.continuity for e in prefill},
+        "handles": len(checks),
+        "with_digest": with_digest,
+        "with_mismatch": mismatched,
+    }
+    if checks and with_digest / len(checks) < PASS_SHARE:
+        return Check(
+            names.CHECK_CONTINUITY,
+            names.CHECK_WARN,
+            f"{len(checks) - with_digest} of {len(checks)} decode handles reached prefill without "
+            "otelkv's continuity digest",
+            evidence,
+            "Have the router pass the decode response's kv_transfer_params on whole (otelkv adds "
+            "otelkv_continuity to them); a handle without it cannot be checked.",
         )
     return Check(
         names.CHECK_CONTINUITY,
-        names.CHECK_WARN,
-        f"{len(unverified)} prefill engine(s) load the KV a decode handle names without checking that it "
-        "was computed for this prompt (vLLM 0.32 trusts the handle)",
-        {"unverified": unverified},
-        "Give a conversation whose history was rewritten (compaction, an edited message) a new "
-        "conversation id, so the router sends no handle for it.",
+        names.CHECK_PASS,
+        f"checked on {len(prefill)} prefill engine(s): {len(checks)} handles, {mismatched} with tokens "
+        "that differ from the prompt (`otelkv why` names them)",
+        evidence,
     )
 
 
@@ -595,7 +620,7 @@ def doctor(
                 "key": e.key,
                 "role": e.config.role,
                 "requests": e.requests,
-                "continuity_verified": e.continuity,
+                "continuity_mode": e.continuity,
                 **turn_json.config_object(e.config),
             }
             for e in ev.engines

@@ -95,6 +95,17 @@ class Retention:
     ttl_s: float | None
 
 
+@dataclass(frozen=True)
+class Continuity:
+    """A prefill request's decode handle checked against its prompt (``otelkv.continuity.*``)."""
+
+    digest: bool
+    offered: int | None = None
+    matching: int | None = None
+    first_mismatch: int | None = None
+    mismatch_in: str | None = None
+
+
 @dataclass
 class Leg:
     """What one engine recorded for the turn's request (a ``kv_request {role}`` span)."""
@@ -128,6 +139,9 @@ class Leg:
     base_request_id: str = ""
     """vLLM's request id without its suffix: the same on both legs of one routed request,
     and the ``id`` of the response vLLM returns."""
+    continuity: Continuity | None = None
+    """The prompt against the tokens the decode handle's KV was computed for (prefill legs
+    that got a handle; None: no handle, or no check recorded)."""
     transfer: Transfer | None = None
     retention: Retention | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
@@ -260,6 +274,19 @@ def engine_config(resource: dict[str, Any]) -> EngineConfig:
     )
 
 
+def _continuity(a: dict[str, Any]) -> Continuity | None:
+    present = opt_bool(a, names.CONTINUITY_DIGEST)
+    if present is None:
+        return None
+    return Continuity(
+        digest=present,
+        offered=opt_int(a, names.CONTINUITY_OFFERED),
+        matching=opt_int(a, names.CONTINUITY_MATCHING),
+        first_mismatch=opt_int(a, names.CONTINUITY_FIRST_MISMATCH),
+        mismatch_in=opt_str(a, names.CONTINUITY_MISMATCH_IN),
+    )
+
+
 def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
     a = request.attributes
     config = engine_config(request.resource)
@@ -288,6 +315,7 @@ def _leg(request: SpanRecord, children: Sequence[SpanRecord]) -> Leg:
         context_source=opt_str(a, names.TRACE_CONTEXT_SOURCE),
         conversation_id=attr_str(a, names.GEN_AI_CONVERSATION_ID),
         base_request_id=attr_str(a, names.GEN_AI_REQUEST_ID),
+        continuity=_continuity(a),
         config=config,
     )
     if leg.threshold is None:

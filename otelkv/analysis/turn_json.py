@@ -178,6 +178,17 @@ def leg_object(leg: Leg | None) -> dict[str, Any] | None:
         "kv_params_returned": leg.kv_params_returned,
         "streamed": leg.streamed,
         "context_source": leg.context_source,
+        "continuity": (
+            {
+                "digest": leg.continuity.digest,
+                "offered_tokens": leg.continuity.offered,
+                "matching_tokens": leg.continuity.matching,
+                "first_mismatch": leg.continuity.first_mismatch,
+                "mismatch_in": leg.continuity.mismatch_in,
+            }
+            if leg.continuity
+            else None
+        ),
         "conversation_id": leg.conversation_id or None,
         "transfer": _transfer(leg.transfer),
         "retention": _retention(leg.retention),

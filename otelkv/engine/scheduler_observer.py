@@ -25,6 +25,7 @@ from typing import Any
 from opentelemetry.trace import StatusCode
 
 from otelkv import names
+from otelkv.engine import continuity
 from otelkv.engine.config import EngineSettings
 from otelkv.engine.decision import PullDecision, agrees_with_connector, decide_reverse_pull, role_of
 from otelkv.engine.guard import ErrorLedger, guarded
@@ -105,6 +106,8 @@ class _Request:
     retention: _Retention | None = None
     pending_finish: _Finish | None = None
     transfer: _TransferSpan | None = None
+    continuity_checked: bool = False
+    continuity: continuity.Check | None = None
 
 
 class SchedulerObserver:
@@ -220,6 +223,8 @@ class SchedulerObserver:
             return
         state.local_hit = int(num_computed_tokens)
         state.matched = result[0]
+        if state.role == names.ROLE_PREFILL and not state.continuity_checked:
+            self._check_continuity(state, request)
         if state.role == names.ROLE_PREFILL:
             state.decision = decide_reverse_pull(
                 request.kv_transfer_params or {},
@@ -228,6 +233,35 @@ class SchedulerObserver:
                 threshold=self.settings.recompute_threshold,
                 bidirectional=self.settings.bidirectional,
             )
+
+    def _check_continuity(self, state: _Request, request: Any) -> None:
+        """The prompt against the digest in the decode handle, once per request."""
+        params = request.kv_transfer_params
+        if (
+            not isinstance(params, dict)
+            or not params.get("do_remote_decode")
+            or not params.get("remote_block_ids")
+        ):
+            return
+        state.continuity_checked = True
+        state.continuity = continuity.check(
+            params.get(names.XARG_CONTINUITY),
+            getattr(request, "prompt_token_ids", None) or (),
+            params.get("remote_num_tokens") or 0,
+        )
+
+    def _record_continuity(self, attrs: dict[str, Any], check: continuity.Check | None) -> None:
+        _continuity_attrs(attrs, check)
+        if check is None:
+            return
+        mismatched = check.offered - check.matching - check.unverified
+        for outcome, value in (
+            (names.CONTINUITY_MATCH, check.matching),
+            (names.CONTINUITY_MISMATCH, mismatched),
+            (names.CONTINUITY_UNVERIFIED, check.unverified),
+        ):
+            if value:
+                self._count(names.METRIC_CONTINUITY_TOKENS, outcome, value=value)
 
     @guarded("update_state_after_alloc")
     def on_alloc(self, request: Any, num_external_tokens: int) -> None:
@@ -393,6 +427,16 @@ class SchedulerObserver:
             return
         self._waiting.pop(state.request_id, None)
         status = getattr(request.status, "name", str(request.status))
+        params = result[1]
+        if state.role == names.ROLE_DECODE and isinstance(params, dict) and params.get("do_remote_decode"):
+            # The handle this decode request hands back names KV for these token ids.
+            found = continuity.digest(
+                getattr(request, "all_token_ids", None) or (),
+                getattr(request, "num_computed_tokens", 0) or 0,
+                request.num_prompt_tokens,
+            )
+            if found is not None:
+                params[names.XARG_CONTINUITY] = found
         finish = _Finish(
             status=status,
             output_tokens=int(getattr(request, "num_output_tokens", 0) or 0),
@@ -461,6 +505,8 @@ class SchedulerObserver:
             attrs[names.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = state.local_hit + pulled
         if state.remote_kv_wait_s is not None:
             attrs[names.REMOTE_KV_WAIT_SECONDS] = state.remote_kv_wait_s
+        if state.continuity_checked:
+            self._record_continuity(attrs, state.continuity)
         if decision is not None:
             attrs[names.PULL_DECISION] = decision.decision
             if state.reason is not None:
@@ -612,6 +658,17 @@ def _parse_traceparent(headers: Any) -> tuple[int, int, int] | None:
     return trace_id, span_id, flags
 
 
+def _continuity_attrs(attrs: dict[str, Any], check: continuity.Check | None) -> None:
+    attrs[names.CONTINUITY_DIGEST] = check is not None
+    if check is None:
+        return
+    attrs[names.CONTINUITY_OFFERED] = check.offered
+    attrs[names.CONTINUITY_MATCHING] = check.matching
+    if check.first_mismatch is not None:
+        attrs[names.CONTINUITY_FIRST_MISMATCH] = check.first_mismatch
+        attrs[names.CONTINUITY_MISMATCH_IN] = check.mismatch_in
+
+
 def engine_resource_attributes(settings: EngineSettings, connector_name: str) -> dict[str, Any]:
     """What is the same for every request of an engine: stated once, on the resource."""
     attrs: dict[str, Any] = {
@@ -622,6 +679,7 @@ def engine_resource_attributes(settings: EngineSettings, connector_name: str) ->
         names.DECODER_KV_BLOCKS_TTL: settings.decoder_ttl_s,
         names.KV_LOAD_FAILURE_POLICY: settings.load_failure_policy,
         names.GEN_AI_REQUEST_MODEL: settings.model,
+        names.CONTINUITY_VERIFY: names.CONTINUITY_MODE_OBSERVE,
     }
     if settings.kv_cache_dtype:
         attrs[names.KV_CACHE_DTYPE] = settings.kv_cache_dtype

@@ -327,3 +327,109 @@ def test_metrics_in_vllm_endpoint_agree_with_spans(
     assert prom.total(d_text, "otelkv_instrumentation_errors_total") == 0
     # vLLM's own periodic NIXL log line still appears.
     assert "KV Transfer metrics:" in fleet.prefill.log_path.read_text()
+
+
+# ------------------------------------------------------------------ continuity
+
+
+def _words(seed: int, n: int = 120) -> str:
+    vocab = "cache block token engine prefill decode router handle memory answer tool plan".split()
+    return " ".join(vocab[(seed * 7 + i * (seed + 3)) % len(vocab)] for i in range(n))
+
+
+def _post(fleet: Fleet, path: str, body: dict, headers: dict[str, str] | None = None) -> dict:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_history_rewritten_under_one_id_loads_kv_of_other_tokens_and_otelkv_says_so(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    """The hazard of vLLM 0.32 trusting the decode handle: turn 1 rewrites turn 0's user message
+    under the same conversation id; the router sends the handle, the prefill node loads the
+    decode node's KV for the whole rewritten prefix. The decode node's digest lets otelkv see
+    it: the first mismatch is where vLLM's own tokenization of the two prompts first differs."""
+    from otelkv.analysis import report
+    from otelkv.analysis.sources import InMemorySource
+
+    assert fleet.sink is not None and fleet.prefill is not None
+    conv, system = "conv-div", {"role": "system", "content": "you are a helpful agent"}
+    first = [system, {"role": "user", "content": _words(1)}]
+    answer = _post(
+        fleet,
+        fleet.url + "/v1/chat/completions",
+        {"model": "tiny-llama", "messages": first, "max_tokens": 16, "temperature": 0},
+        {"X-Conversation-Id": conv},
+    )
+    rewritten = [
+        system,
+        {"role": "user", "content": _words(2)},
+        {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "now answer"},
+    ]
+    _post(
+        fleet,
+        fleet.url + "/v1/chat/completions",
+        {"model": "tiny-llama", "messages": rewritten, "max_tokens": 8, "temperature": 0},
+        {"X-Conversation-Id": conv},
+    )
+    # Truth from vLLM itself: where the two prompts' token ids first differ.
+    tokenized = [
+        _post(fleet, fleet.prefill.url + "/tokenize", {"model": "tiny-llama", "messages": m})["tokens"]
+        for m in (first, rewritten)
+    ]
+    shared = next(i for i, (a, b) in enumerate(zip(*tokenized, strict=False)) if a != b)
+
+    def two_prefills(spans: list[SpanRecord]) -> bool:
+        return len(_prefills(spans, conv)) == 2
+
+    prefills = _prefills(fleet.sink.wait_for(two_prefills, timeout=30), conv)
+    turn1 = prefills[1].attributes
+    assert turn1[names.PULL_REASON] == names.REASON_PULLED and turn1[names.TOKENS_PULLED] > 0
+    assert turn1[names.CONTINUITY_DIGEST] is True
+    assert turn1[names.CONTINUITY_FIRST_MISMATCH] == shared // 32 * 32
+    assert turn1[names.CONTINUITY_MISMATCH_IN] == names.CONTINUITY_IN_HISTORY
+    assert turn1[names.CONTINUITY_MATCHING] == shared // 32 * 32
+    loaded = turn1[names.TOKENS_LOCAL_CACHE_HIT] + turn1[names.TOKENS_PULLED]
+    assert turn1[names.CONTINUITY_OFFERED] == loaded  # vLLM loaded all the handle offered
+    why = report.why(InMemorySource(fleet.sink.spans()), prefills[1].trace_id)["turn"]
+    found = {d["id"]: d for d in why["diagnoses"]}
+    assert found[names.DIAG_KV_FOR_OTHER_TOKENS]["evidence"]["wrong_tokens"] == loaded - max(
+        shared // 32 * 32, turn1[names.TOKENS_LOCAL_CACHE_HIT]
+    )
+    assert why["diagnoses"][0]["id"] == names.DIAG_KV_FOR_OTHER_TOKENS  # a failure ranks first
+
+
+def test_a_conversation_that_extends_its_history_never_mismatches_in_it(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    """The driver sends each turn's history back verbatim: whatever the handle offered matches
+    the prompt up to the previous answer (an answer re-tokenized differently may still differ)."""
+    assert fleet.sink is not None
+    pulled = [
+        s.attributes
+        for s in _prefills(fleet.sink.spans(), PULLS.conversation_id)
+        if s.attributes.get(names.TOKENS_PULLED)
+    ]
+    assert len(pulled) == len(PULLS.turns) - 1
+    for a in pulled:
+        assert a[names.CONTINUITY_DIGEST] is True and a[names.CONTINUITY_OFFERED] > 0
+        assert a.get(names.CONTINUITY_MISMATCH_IN) != names.CONTINUITY_IN_HISTORY, a
+
+
+def _prefills(spans: list[SpanRecord], conversation_id: str) -> list[SpanRecord]:
+    return sorted(
+        (
+            s
+            for s in spans
+            if s.name == names.engine_request_span_name(names.ROLE_PREFILL)
+            and s.attributes.get(names.GEN_AI_CONVERSATION_ID) == conversation_id
+        ),
+        key=lambda s: s.start_ns,
+    )

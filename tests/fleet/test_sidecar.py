@@ -377,10 +377,10 @@ def _kill_tree(pid: int) -> None:
 def test_doctor_passes_every_prerequisite_behind_the_reference_router(
     fleet: Fleet, results: dict[str, list[TurnResult]]
 ) -> None:
-    """The reference router forwards identity and handles, calls decode non-streaming and keeps
-    handles shorter than the decode TTL: nothing fails, and only what no engine of this version
-    does (verify continuity) warns. Checked over a window of its own (the earlier scenarios
-    lapse and stream on purpose), through the CLI, which reads the engines' /metrics itself."""
+    """The reference router forwards identity and handles (digest included), calls decode
+    non-streaming and keeps handles shorter than the decode TTL: every check passes. Checked
+    over a window of its own (the earlier scenarios lapse and stream on purpose), through the
+    CLI, which reads the engines' /metrics itself."""
     assert fleet.sidecar is not None and fleet.prefill is not None and fleet.decode is not None
     clean = Conversation(
         "conv-clean",
@@ -403,8 +403,9 @@ def test_doctor_passes_every_prerequisite_behind_the_reference_router(
     )
     assert answer["turn_count"] == len(clean.turns), answer["turn_count"]
     status = {c["id"]: c["status"] for c in answer["checks"]}
-    assert status.pop(names.CHECK_CONTINUITY) == names.CHECK_WARN
     assert set(status.values()) == {names.CHECK_PASS}, answer["checks"]
+    continuity = {c["id"]: c for c in answer["checks"]}[names.CHECK_CONTINUITY]["evidence"]
+    assert continuity["handles"] == continuity["with_digest"] == 1  # turn 1's handle, digest and all
     ttl = {c["id"]: c for c in answer["checks"]}[names.CHECK_ROUTER_TTL]["evidence"]
     assert ttl == {
         "router_handle_ttl_s": TTL_S - 6.0,
@@ -412,7 +413,7 @@ def test_doctor_passes_every_prerequisite_behind_the_reference_router(
         "decoder_kv_blocks_ttl_s": TTL_S,
     }
     text = subprocess.run(cli, capture_output=True, text=True, timeout=120)
-    assert text.returncode == 0 and "verdict: warn" in text.stdout, text.stdout + text.stderr
+    assert text.returncode == 0 and "verdict: pass" in text.stdout, text.stdout + text.stderr
 
 
 def test_prefill_engine_killed_mid_hand_off(fleet: Fleet) -> None:

@@ -507,6 +507,31 @@ def test_decode_returned_no_handle(form: Any) -> None:
 
 
 @FORMS
+@pytest.mark.parametrize("where", [names.CONTINUITY_IN_HISTORY, names.CONTINUITY_IN_ANSWER])
+def test_kv_reused_for_different_tokens(form: Any, where: str) -> None:
+    pulled = {
+        names.PULL_DECISION: names.DECISION_PULL,
+        names.TOKENS_LOCAL_CACHE_HIT: 32,
+        names.TOKENS_PULLED: 112,
+        names.TOKENS_COMPUTED: 156,
+        names.CONTINUITY_DIGEST: True,
+        names.CONTINUITY_OFFERED: 144,
+        names.CONTINUITY_MATCHING: 64,
+        names.CONTINUITY_FIRST_MISMATCH: 64,
+        names.CONTINUITY_MISMATCH_IN: where,
+    }
+    prev, cur = pair(prefill=pulled, prefill_transfer={})
+    found = {d.id: d for d in diagnose(linked(form(prev), form(cur)))}
+    d = found[names.DIAG_KV_FOR_OTHER_TOKENS]
+    assert d.evidence["wrong_tokens"] == 32 + 112 - 64 and d.evidence["mismatch_in"] == where
+    assert ids(linked(form(prev), form(cur)))[0] == names.DIAG_KV_FOR_OTHER_TOKENS  # a failure: first
+    assert ("rewritten" in d.summary) is (where == names.CONTINUITY_IN_HISTORY)
+    # Everything loaded matched (the mismatch lies beyond what was pulled): no diagnosis.
+    _, fine = pair(prefill={**pulled, names.CONTINUITY_FIRST_MISMATCH: 160, names.CONTINUITY_MATCHING: 160})
+    assert names.DIAG_KV_FOR_OTHER_TOKENS not in ids(linked(form(prev), form(fine)))
+
+
+@FORMS
 def test_bidirectional_off(form: Any) -> None:
     _, cur = pair(
         prefill={names.PULL_REASON: names.REASON_BIDIRECTIONAL_OFF},

@@ -182,7 +182,7 @@ def test_missing_handles_and_streamed_decodes_fail() -> None:
         ({names.KV_BLOCK_SIZE: 16}, names.CHECK_ENGINES_AGREE, names.CHECK_FAIL),
         ({names.KV_LOAD_FAILURE_POLICY: "recompute"}, names.CHECK_LOAD_FAILURE_POLICY, names.CHECK_WARN),
         ({names.PREFIX_CACHING: False}, names.CHECK_PREFIX_CACHE, names.CHECK_WARN),
-        ({names.CONTINUITY_VERIFY: True}, names.CHECK_CONTINUITY, names.CHECK_PASS),
+        ({names.CONTINUITY_VERIFY: names.CONTINUITY_MODE_OBSERVE}, names.CHECK_CONTINUITY, names.CHECK_PASS),
     ],
 )
 def test_engine_configuration_checks(resource: dict[str, Any], check: str, expected: str) -> None:
@@ -408,3 +408,18 @@ def test_an_unexpected_failure_is_one_line_and_exit_2(
     assert main(["doctor", "--store", "/nonexistent"]) == 2
     err = capsys.readouterr().err
     assert err == "otelkv doctor: failed: RuntimeError: store went away second line\n"
+
+
+def test_continuity_warns_when_handles_arrive_without_the_digest() -> None:
+    observe = {names.CONTINUITY_VERIFY: names.CONTINUITY_MODE_OBSERVE}
+    spans = conversation_spans(prefill_resource=observe)
+    stripped = [
+        replace(s, attributes={**s.attributes, names.CONTINUITY_DIGEST: False})
+        if s.attributes.get(names.ROLE) == names.ROLE_PREFILL and s.attributes.get(names.TURN_INDEX, 1)
+        else s
+        for s in spans
+    ]
+    answer = run(stripped)
+    check = {c["id"]: c for c in answer["checks"]}[names.CHECK_CONTINUITY]
+    assert check["status"] == names.CHECK_WARN and check["evidence"]["with_digest"] == 0
+    assert "kv_transfer_params on whole" in check["fix"]

@@ -359,3 +359,57 @@ def test_observer_errors_are_swallowed_and_counted(hook: str) -> None:
     }
     assert getattr(observer, hook)(*args[hook]) is None
     assert dict(observer.errors.total) == {sites[hook]: 1}
+
+
+def test_decode_hands_back_a_digest_and_prefill_checks_the_prompt_against_it() -> None:
+    """The decode node's returned handle carries the digest of the tokens its KV covers; the
+    next prefill request records how much of its prompt those tokens match."""
+    from otelkv.engine import continuity
+
+    decode, _ = make_observer(engine_id="decode-0", kv_role="kv_consumer")
+    held = list(range(100, 244))  # 128 prompt tokens and 16 generated
+    d_req = make_request({"do_remote_prefill": True}, prompt=128, rid="chatcmpl-prev-0badf00d")
+    d_req.all_token_ids = [*held, 9]  # the last generated token has no KV yet
+    d_req.num_computed_tokens = len(held)
+    decode.on_new_request(d_req)
+    returned = {
+        "do_remote_decode": True,
+        "remote_block_ids": [[1, 2, 3, 4, 5]],
+        "remote_num_tokens": len(held),
+    }
+    decode.on_finished(d_req, [[1, 2, 3, 4, 5]], (True, returned))
+    assert returned[names.XARG_CONTINUITY] == continuity.digest(held, len(held), 128)
+
+    prefill, exporter = make_observer()
+    handle = {
+        **HANDLE,
+        "remote_num_tokens": len(held),
+        names.XARG_CONTINUITY: returned[names.XARG_CONTINUITY],
+    }
+    rewritten = make_request(handle, prompt=180)
+    rewritten.prompt_token_ids = held[:7] + list(range(900, 1073))  # history rewritten
+    prefill.on_new_request(rewritten)
+    prefill.on_matched(rewritten, 0, (144, True))
+    prefill.on_alloc(rewritten, 144)
+    prefill.on_output(KVConnectorOutput(finished_recving={rewritten.request_id}), None)
+    prefill.on_finished(rewritten, [[1]], (False, None))
+    a = spans_by_name(exporter)["kv_request prefill"].attributes
+    assert a[names.CONTINUITY_DIGEST] is True
+    assert (a[names.CONTINUITY_OFFERED], a[names.CONTINUITY_MATCHING]) == (144, 0)
+    assert (a[names.CONTINUITY_FIRST_MISMATCH], a[names.CONTINUITY_MISMATCH_IN]) == (
+        0,
+        names.CONTINUITY_IN_HISTORY,
+    )
+    payload = prefill.take_payload()
+    assert payload is not None
+    assert exposed(payload).value("otelkv_continuity_tokens_total", outcome="mismatch") == 144
+
+    plain, exporter = make_observer()
+    old_handle = make_request(HANDLE, prompt=150)  # a handle from an engine without otelkv
+    old_handle.prompt_token_ids = list(range(150))
+    plain.on_new_request(old_handle)
+    plain.on_matched(old_handle, 0, (0, False))
+    plain.on_alloc(old_handle, 0)
+    plain.on_finished(old_handle, [[1]], (False, None))
+    a = spans_by_name(exporter)["kv_request prefill"].attributes
+    assert a[names.CONTINUITY_DIGEST] is False and names.CONTINUITY_OFFERED not in a

@@ -1,0 +1,81 @@
+"""The continuity digest and its check (pure logic)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from otelkv import names
+from otelkv.engine.continuity import CHUNK_TOKENS, HASH_BYTES, check, digest, parse
+
+PREV = list(range(1000, 1128))  # the previous prompt: 128 tokens
+ANSWER = list(range(5000, 5016))  # its 16 generated tokens
+HELD = PREV + ANSWER  # what the decode node's KV covers (prompt + answer)
+
+
+def test_the_digest_is_compact_and_json() -> None:
+    d = digest(list(range(1000)), 1000, 900)
+    assert d is not None and json.loads(json.dumps(d)) == d
+    assert len(base64.b64decode(d["h"])) == 32 * HASH_BYTES  # 31 whole chunks and a partial one
+    assert len(d["h"]) <= 344
+    assert digest([], 0, 0) is None and digest([1, 2], 0, 2) is None
+
+
+def test_a_prompt_that_extends_the_conversation_matches_everything_offered() -> None:
+    d = digest(HELD, len(HELD), len(PREV))
+    new_prompt = HELD + list(range(7000, 7040))
+    c = check(d, new_prompt, remote_num_tokens=len(HELD))
+    assert c is not None
+    assert (c.offered, c.matching, c.first_mismatch, c.mismatch_in) == (len(HELD), len(HELD), None, None)
+
+
+def test_rewritten_history_is_found_in_the_history() -> None:
+    """The issue's case: the two prompts share their first 7 tokens only."""
+    d = digest(HELD, len(HELD), len(PREV))
+    rewritten = PREV[:7] + list(range(9000, 9173))  # 180 tokens
+    c = check(d, rewritten, remote_num_tokens=len(HELD))
+    assert c is not None and c.offered == len(HELD)
+    assert (c.matching, c.first_mismatch, c.mismatch_in) == (0, 0, names.CONTINUITY_IN_HISTORY)
+    # A rewrite after the first chunk is placed at that chunk.
+    later = PREV[:40] + list(range(9000, 9140))
+    c = check(d, later, remote_num_tokens=len(HELD))
+    assert c is not None and (c.matching, c.first_mismatch) == (CHUNK_TOKENS, CHUNK_TOKENS)
+
+
+def test_a_re_rendered_answer_is_found_in_the_answer() -> None:
+    held = PREV + list(range(5000, 5064))  # a 64-token answer: chunks 4 and 5 are the answer
+    d = digest(held, len(held), len(PREV))
+    rendered = PREV + list(range(5000, 5032)) + list(range(6000, 6032)) + [1, 2, 3]
+    c = check(d, rendered, remote_num_tokens=len(held))
+    assert c is not None
+    assert (c.matching, c.first_mismatch, c.mismatch_in) == (160, 160, names.CONTINUITY_IN_ANSWER)
+
+
+def test_the_partial_last_chunk_is_checked_when_covered_and_unverified_when_not() -> None:
+    d = digest(HELD, len(HELD), len(PREV))  # 144 tokens: 4 whole chunks and 16 more
+    c = check(d, [*HELD, 1], remote_num_tokens=len(HELD))
+    assert c is not None and (c.matching, c.unverified) == (144, 0)
+    bad_tail = [*HELD[:-1], 99999, 1]
+    c = check(d, bad_tail, remote_num_tokens=len(HELD))
+    assert c is not None and (c.matching, c.first_mismatch) == (128, 128)
+    # A prompt shorter than the KV: the part of a chunk it covers cannot be checked.
+    c = check(d, HELD[:140], remote_num_tokens=len(HELD))
+    assert c is not None and (c.offered, c.matching, c.unverified) == (140, 128, 12)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "abc",
+        {"v": 2},
+        {"v": 1, "chunk": 16, "n": 10, "prompt": 5, "h": ""},
+        {"v": 1, "chunk": 32, "n": 10, "prompt": 5, "h": "!!"},
+        {"v": 1, "chunk": 32, "n": 100, "prompt": 5, "h": base64.b64encode(b"x" * 8).decode()},
+        {"v": True, "chunk": 32, "n": 10, "prompt": 5, "h": base64.b64encode(b"x" * 8).decode()},
+    ],
+)
+def test_a_digest_otelkv_did_not_write_is_not_used(value: object) -> None:
+    assert parse(value) is None and check(value, HELD, len(HELD)) is None
