@@ -270,9 +270,10 @@ def check_kv_for_other_tokens(turn: Turn, ctx: Context) -> Diagnosis | None:
     return Diagnosis(
         names.DIAG_KV_FOR_OTHER_TOKENS,
         title(names.DIAG_KV_FOR_OTHER_TOKENS),
-        f"The prefill node loaded {leg.pulled} tokens of KV from the decode node, {wrong} of them for "
-        f"positions whose tokens differ from the ones that KV was computed for (from token "
-        f"{cont.first_mismatch}): {cause}. The answer was generated over KV of another text.",
+        f"The prefill node loaded {leg.pulled} tokens of KV from the decode node; from token "
+        f"{cont.first_mismatch} (the start of the first 32-token chunk that differs) the prompt is not "
+        f"what that KV was computed for, {wrong} loaded positions in all: {cause}. The answer was "
+        "generated over KV of another text.",
         {
             "offered_tokens": cont.offered,
             "matching_tokens": cont.matching,

@@ -521,16 +521,17 @@ def check_continuity(ev: Evidence) -> Check:
     prefill = [e for e in ev.engines if e.config.role in (names.ROLE_PREFILL, names.ROLE_UNIFIED)]
     if not prefill:
         return Check(names.CHECK_CONTINUITY, names.CHECK_SKIP, "no prefill engine in the window")
-    unverified = [e.key for e in prefill if not e.continuity]
+    # Decode engines write the digest, prefill engines check it: both must run otelkv's check.
+    unverified = [e.key for e in ev.engines if not e.continuity]
     if unverified:
         return Check(
             names.CHECK_CONTINUITY,
             names.CHECK_WARN,
-            f"{len(unverified)} prefill engine(s) load the KV a decode handle names without checking that "
-            "it was computed for this prompt (vLLM 0.32 trusts the handle; otelkv's connector checks it)",
+            f"{len(unverified)} engine(s) do not check that the KV a decode handle names was computed for "
+            "the prompt (vLLM 0.32 trusts the handle; otelkv's connector of this version checks it)",
             {"unverified": unverified},
-            "Run this otelkv version's connector on every engine; until then give a conversation whose "
-            "history was rewritten (compaction, an edited message) a new conversation id.",
+            "Run this otelkv version's connector on every prefill and decode engine; until then give a "
+            "conversation whose history was rewritten (compaction, an edited message) a new id.",
         )
     checks = [t.prefill.continuity for t in _served(ev) if t.prefill is not None and t.prefill.continuity]
     with_digest = sum(1 for c in checks if c.digest)
@@ -548,8 +549,9 @@ def check_continuity(ev: Evidence) -> Check:
             f"{len(checks) - with_digest} of {len(checks)} decode handles reached prefill without "
             "otelkv's continuity digest",
             evidence,
-            "Have the router pass the decode response's kv_transfer_params on whole (otelkv adds "
-            "otelkv_continuity to them); a handle without it cannot be checked.",
+            "A handle loses its digest when the router rebuilds kv_transfer_params (pass them on whole: "
+            "otelkv adds otelkv_continuity), when the decode node runs no or an older otelkv, or when its "
+            "KV covers more than 32,768 tokens; such a handle cannot be checked.",
         )
     return Check(
         names.CHECK_CONTINUITY,

@@ -5,21 +5,24 @@ from the decode node without comparing token ids: history rewritten under one co
 id (compaction, an edited message) loads KV computed for other tokens. The decode node's
 otelkv therefore adds to the handle it returns a digest of the token ids its KV covers
 (:func:`digest`), and the prefill node's otelkv checks the new prompt against it
-(:func:`check`) before vLLM decides.
+(:func:`check`) when the request arrives.
 
-The digest is a chain of 8-byte BLAKE2b hashes, one per :data:`CHUNK_TOKENS` tokens (hash i
-covers tokens ``[0, (i+1) * CHUNK_TOKENS)``), plus one over all covered tokens when they end
-inside a chunk: 31 hashes, 248 bytes (332 characters of base64) per 1,000 tokens. Routers
-pass it through with the rest of ``kv_transfer_params``; vLLM's connector reads only its
-own keys.
+The digest is a chain of 8-byte BLAKE2b hashes, one per chunk of :data:`CHUNK_TOKENS`
+tokens (hash i covers every token up to the end of chunk i). Chunks restart where the
+previous prompt ended, so no chunk holds both prompt and answer tokens and a mismatch is
+placed in the history or in the answer exactly: about 32 hashes, 256 bytes (344 characters
+of base64) per 1,000 tokens. Token ids are hashed as little-endian 64-bit integers. Routers
+pass the digest through with the rest of ``kv_transfer_params``; vLLM's connector reads only
+its own keys. The hashes are not keyed: whoever sees a handle can confirm a guessed prefix.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,22 +30,33 @@ from otelkv import names
 
 CHUNK_TOKENS = 32
 HASH_BYTES = 8
-VERSION = 1
-MAX_TOKENS = 1 << 17
-"""Longer KV is not digested: 131,072 tokens make a 43 KB digest and cost milliseconds in the
-scheduler loop (bench/hook_cost.py)."""
+VERSION = 2
+MAX_TOKENS = 1 << 15
+"""Longer KV is not digested (its handle then carries none): 32,768 tokens make an 11 KB
+digest and cost a few milliseconds in the scheduler loop."""
 
 
-def _chain(token_ids: Sequence[int], upto: int) -> list[bytes]:
-    """The chained hashes of whole chunks of ``token_ids[:upto]``, then the partial end if any."""
-    out: list[bytes] = []
-    prev = b""
-    raw = array("q", token_ids[:upto]).tobytes()  # one conversion; chunks are byte slices
-    step = CHUNK_TOKENS * 8
-    for start in range(0, len(raw), step):
-        prev = hashlib.blake2b(prev + raw[start : start + step], digest_size=HASH_BYTES).digest()
-        out.append(prev)
+def _bounds(n: int, prompt: int) -> list[tuple[int, int]]:
+    """Chunk boundaries over ``[0, n)``, restarting at ``prompt`` (when inside)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ((0, min(prompt, n)), (max(prompt, 0), n)):
+        out.extend((s, min(s + CHUNK_TOKENS, hi)) for s in range(lo, hi, CHUNK_TOKENS))
     return out
+
+
+def _hashes(token_ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> Iterator[bytes]:
+    """The chained hash at the end of each chunk, computed lazily (a check stops at the first
+    that differs)."""
+    if not bounds:
+        return
+    ids = array("q", token_ids[: bounds[-1][1]])
+    if sys.byteorder == "big":
+        ids.byteswap()
+    raw = ids.tobytes()
+    chain = hashlib.blake2b(digest_size=HASH_BYTES)
+    for lo, hi in bounds:
+        chain.update(raw[lo * 8 : hi * 8])
+        yield chain.copy().digest()
 
 
 def digest(token_ids: Sequence[int], num_tokens: int, prompt_tokens: int) -> dict[str, Any] | None:
@@ -52,12 +66,13 @@ def digest(token_ids: Sequence[int], num_tokens: int, prompt_tokens: int) -> dic
     n = min(int(num_tokens), len(token_ids))
     if n <= 0 or n > MAX_TOKENS:
         return None
+    prompt = max(min(int(prompt_tokens), n), 0)
     return {
         "v": VERSION,
         "chunk": CHUNK_TOKENS,
         "n": n,
-        "prompt": int(prompt_tokens),
-        "h": base64.b64encode(b"".join(_chain(token_ids, n))).decode("ascii"),
+        "prompt": prompt,
+        "h": base64.b64encode(b"".join(_hashes(token_ids, _bounds(n, prompt)))).decode("ascii"),
     }
 
 
@@ -66,59 +81,60 @@ class Check:
     """The new prompt against the tokens the handle's KV was computed for."""
 
     offered: int
-    """Tokens of this prompt the handle's KV would cover (``min(remote tokens, prompt)``)."""
+    """Tokens of this prompt the handle offers (``min(remote_num_tokens, prompt)``): what vLLM loads."""
     matching: int
     """Of those, the ones checked equal to the tokens the KV was computed for."""
     first_mismatch: int | None
     """Where the first differing chunk starts (None: none differs)."""
     mismatch_in: str | None
-    """``history`` (before the previous answer) or ``answer`` (in it)."""
+    """``history`` (the previous prompt) or ``answer`` (the previous answer)."""
 
     @property
     def unverified(self) -> int:
-        """Offered tokens neither matched nor refuted (a partial chunk the digest cannot check)."""
+        """Offered tokens neither matched nor refuted (a partial chunk, or beyond the digest)."""
         return self.offered - self.matching if self.first_mismatch is None else 0
 
 
-def parse(value: Any) -> tuple[int, int, int, list[bytes]] | None:
-    """(chunk, covered tokens, prompt tokens, hashes) of a digest as :func:`digest` writes it; None
-    for anything else (a digest otelkv did not write is not used)."""
+def parse(value: Any) -> tuple[int, int, list[bytes]] | None:
+    """(covered tokens, previous prompt tokens, hashes) of a digest as :func:`digest` writes it;
+    None for anything else (a digest otelkv did not write is not used)."""
     if not isinstance(value, dict):
         return None
     version, chunk, n, prompt = (value.get(k) for k in ("v", "chunk", "n", "prompt"))
     text = value.get("h")
     if not all(type(x) is int for x in (version, chunk, n, prompt)) or not isinstance(text, str):
         return None  # type(), not isinstance(): JSON true is no number here
-    if version != VERSION:
+    if version != VERSION or chunk != CHUNK_TOKENS or not 0 < n <= MAX_TOKENS or not 0 <= prompt <= n:
         return None
-    if chunk != CHUNK_TOKENS or not 0 < n <= MAX_TOKENS or len(text) > 4 * MAX_TOKENS:
+    if len(text) > 2 * n * HASH_BYTES:
         return None
     try:
         raw = base64.b64decode(text, validate=True)
     except ValueError:
         return None
-    count = -(-n // CHUNK_TOKENS)
+    count = len(_bounds(n, prompt))
     if len(raw) != count * HASH_BYTES:
         return None
-    return chunk, n, prompt, [raw[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
+    return n, prompt, [raw[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
 
 
-def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: int) -> Check | None:
+def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: Any) -> Check | None:
     """The prompt checked against a digest (None: no usable digest)."""
     parsed = parse(value)
     if parsed is None:
         return None
-    _, n, prev_prompt, hashes = parsed
-    offered = max(min(int(remote_num_tokens or 0), n, len(prompt_token_ids)), 0)
-    if offered == 0:
-        return Check(0, 0, None, None)
-    # Only chunks wholly inside what is offered can be compared, and the digest's last,
-    # partial one when the prompt covers all the KV; one pass over the prompt either way.
-    upto = n if offered == n else offered // CHUNK_TOKENS * CHUNK_TOKENS
-    for i, h in enumerate(_chain(prompt_token_ids, upto)):
-        if h != hashes[i]:
-            at = i * CHUNK_TOKENS
-            where = names.CONTINUITY_IN_HISTORY if at < prev_prompt else names.CONTINUITY_IN_ANSWER
-            return Check(offered, at, at, where)
-    matching = upto
+    n, prev_prompt, hashes = parsed
+    try:
+        remote = int(remote_num_tokens or 0)
+    except (TypeError, ValueError):
+        return None
+    offered = max(min(remote, len(prompt_token_ids)), 0)
+    # Only chunks wholly inside what is offered (and covered by the digest) are compared.
+    bounds = [(lo, hi) for lo, hi in _bounds(n, prev_prompt) if hi <= offered]
+    matching = 0
+    for (lo, hi), mine, theirs in zip(bounds, _hashes(prompt_token_ids, bounds), hashes, strict=False):
+        if mine != theirs:
+            where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
+            return Check(offered, lo, lo, where)
+        matching = hi
     return Check(offered, matching, None, None)

@@ -223,8 +223,6 @@ class SchedulerObserver:
             return
         state.local_hit = int(num_computed_tokens)
         state.matched = result[0]
-        if state.role == names.ROLE_PREFILL and not state.continuity_checked:
-            self._check_continuity(state, request)
         if state.role == names.ROLE_PREFILL:
             state.decision = decide_reverse_pull(
                 request.kv_transfer_params or {},
@@ -233,6 +231,8 @@ class SchedulerObserver:
                 threshold=self.settings.recompute_threshold,
                 bidirectional=self.settings.bidirectional,
             )
+            if not state.continuity_checked:  # after the decision: a failure here loses only itself
+                self._check_continuity(state, request)
 
     def _check_continuity(self, state: _Request, request: Any) -> None:
         """The prompt against the digest in the decode handle, once per request."""
@@ -428,7 +428,12 @@ class SchedulerObserver:
         self._waiting.pop(state.request_id, None)
         status = getattr(request.status, "name", str(request.status))
         params = result[1]
-        if state.role == names.ROLE_DECODE and isinstance(params, dict) and params.get("do_remote_decode"):
+        if (
+            state.role == names.ROLE_DECODE
+            and isinstance(params, dict)
+            and params.get("do_remote_decode")
+            and params.get("remote_block_ids")
+        ):
             # The handle this decode request hands back names KV for these token ids.
             found = continuity.digest(
                 getattr(request, "all_token_ids", None) or (),

@@ -18,8 +18,9 @@ HELD = PREV + ANSWER  # what the decode node's KV covers (prompt + answer)
 def test_the_digest_is_compact_and_json() -> None:
     d = digest(list(range(1000)), 1000, 900)
     assert d is not None and json.loads(json.dumps(d)) == d
-    assert len(base64.b64decode(d["h"])) == 32 * HASH_BYTES  # 31 whole chunks and a partial one
-    assert len(d["h"]) <= 344
+    # 900 prompt tokens: 28 chunks of 32 and one of 4; then the answer's 100: 3 of 32, 1 of 4.
+    assert len(base64.b64decode(d["h"])) == 33 * HASH_BYTES
+    assert len(digest(list(range(1024)), 1024, 1024)["h"]) == 344  # type: ignore[index]
     assert digest([], 0, 0) is None and digest([1, 2], 0, 2) is None
 
 
@@ -53,6 +54,26 @@ def test_a_re_rendered_answer_is_found_in_the_answer() -> None:
     assert (c.matching, c.first_mismatch, c.mismatch_in) == (160, 160, names.CONTINUITY_IN_ANSWER)
 
 
+def test_an_answer_re_rendered_after_an_odd_length_prompt_is_placed_in_the_answer() -> None:
+    """Chunks restart where the previous prompt ended: a change at the answer's first token is
+    in the answer, whatever the prompt's length."""
+    prev = list(range(1000, 1100))  # 100 tokens: not a multiple of 32
+    held = prev + list(range(5000, 5040))
+    d = digest(held, len(held), len(prev))
+    c = check(d, prev + list(range(6000, 6050)), remote_num_tokens=len(held))
+    assert c is not None and (c.first_mismatch, c.mismatch_in) == (100, names.CONTINUITY_IN_ANSWER)
+    assert c.matching == 100
+
+
+def test_what_vllm_loads_beyond_the_digest_is_unverified() -> None:
+    """remote_num_tokens may exceed the tokens the digest covers: those are offered (vLLM loads
+    them) and cannot be checked."""
+    d = digest(HELD, len(HELD), len(PREV))
+    c = check(d, [*HELD, *range(20)], remote_num_tokens=len(HELD) + 16)
+    assert c is not None and (c.offered, c.matching, c.unverified) == (len(HELD) + 16, len(HELD), 16)
+    assert check(d, HELD, remote_num_tokens="many") is None
+
+
 def test_the_partial_last_chunk_is_checked_when_covered_and_unverified_when_not() -> None:
     d = digest(HELD, len(HELD), len(PREV))  # 144 tokens: 4 whole chunks and 16 more
     c = check(d, [*HELD, 1], remote_num_tokens=len(HELD))
@@ -71,10 +92,11 @@ def test_the_partial_last_chunk_is_checked_when_covered_and_unverified_when_not(
         None,
         "abc",
         {"v": 2},
-        {"v": 1, "chunk": 16, "n": 10, "prompt": 5, "h": ""},
-        {"v": 1, "chunk": 32, "n": 10, "prompt": 5, "h": "!!"},
-        {"v": 1, "chunk": 32, "n": 100, "prompt": 5, "h": base64.b64encode(b"x" * 8).decode()},
-        {"v": True, "chunk": 32, "n": 10, "prompt": 5, "h": base64.b64encode(b"x" * 8).decode()},
+        {"v": 2, "chunk": 16, "n": 10, "prompt": 5, "h": ""},
+        {"v": 2, "chunk": 32, "n": 10, "prompt": 5, "h": "!!"},
+        {"v": 2, "chunk": 32, "n": 100, "prompt": 5, "h": base64.b64encode(b"x" * 8).decode()},
+        {"v": 2, "chunk": 32, "n": 10, "prompt": 11, "h": base64.b64encode(b"x" * 16).decode()},
+        {"v": True, "chunk": 32, "n": 10, "prompt": 5, "h": base64.b64encode(b"x" * 16).decode()},
     ],
 )
 def test_a_digest_otelkv_did_not_write_is_not_used(value: object) -> None:

@@ -526,8 +526,9 @@ def test_kv_reused_for_different_tokens(form: Any, where: str) -> None:
     assert d.evidence["wrong_tokens"] == 32 + 112 - 64 and d.evidence["mismatch_in"] == where
     assert ids(linked(form(prev), form(cur)))[0] == names.DIAG_KV_FOR_OTHER_TOKENS  # a failure: first
     assert ("rewritten" in d.summary) is (where == names.CONTINUITY_IN_HISTORY)
-    # Everything loaded matched (the mismatch lies beyond what was pulled): no diagnosis.
-    _, fine = pair(prefill={**pulled, names.CONTINUITY_FIRST_MISMATCH: 160, names.CONTINUITY_MATCHING: 160})
+    # Below the threshold vLLM loads nothing: the mismatch is recorded, no KV of other tokens used.
+    skipped = {**pulled, names.PULL_DECISION: names.DECISION_RECOMPUTE, names.TOKENS_PULLED: 0}
+    _, fine = pair(prefill={**skipped, names.PULL_REASON: names.REASON_BELOW_THRESHOLD})
     assert names.DIAG_KV_FOR_OTHER_TOKENS not in ids(linked(form(prev), form(fine)))
 
 

@@ -187,9 +187,8 @@ def test_missing_handles_and_streamed_decodes_fail() -> None:
 )
 def test_engine_configuration_checks(resource: dict[str, Any], check: str, expected: str) -> None:
     base = {names.KV_BLOCK_SIZE: 32, names.PREFIX_CACHING: True}
-    spans = conversation_spans(
-        prefill_resource={**base, **resource}, decode_resource={**base, names.KV_BLOCK_SIZE: 32}
-    )
+    both = {k: v for k, v in resource.items() if k == names.CONTINUITY_VERIFY}  # decode writes the digest
+    spans = conversation_spans(prefill_resource={**base, **resource}, decode_resource={**base, **both})
     assert status(run(spans))[check] == expected
 
 
@@ -412,14 +411,30 @@ def test_an_unexpected_failure_is_one_line_and_exit_2(
 
 def test_continuity_warns_when_handles_arrive_without_the_digest() -> None:
     observe = {names.CONTINUITY_VERIFY: names.CONTINUITY_MODE_OBSERVE}
-    spans = conversation_spans(prefill_resource=observe)
+    spans = conversation_spans(prefill_resource=observe, decode_resource=observe)
+    # Turns 1 and 2 reached prefill with a handle; one carried the digest, one did not.
+    marks = {"req-conv-d-1-p": True, "req-conv-d-2-p": False}
     stripped = [
-        replace(s, attributes={**s.attributes, names.CONTINUITY_DIGEST: False})
-        if s.attributes.get(names.ROLE) == names.ROLE_PREFILL and s.attributes.get(names.TURN_INDEX, 1)
+        replace(
+            s, attributes={**s.attributes, names.CONTINUITY_DIGEST: marks[s.attributes[names.REQUEST_ID]]}
+        )
+        if s.attributes.get(names.REQUEST_ID) in marks
         else s
         for s in spans
     ]
     answer = run(stripped)
     check = {c["id"]: c for c in answer["checks"]}[names.CHECK_CONTINUITY]
-    assert check["status"] == names.CHECK_WARN and check["evidence"]["with_digest"] == 0
-    assert "kv_transfer_params on whole" in check["fix"]
+    assert check["status"] == names.CHECK_WARN
+    assert (check["evidence"]["handles"], check["evidence"]["with_digest"]) == (2, 1)
+    assert "pass them on whole" in check["fix"]
+    all_there = [
+        replace(s, attributes={**s.attributes, names.CONTINUITY_DIGEST: True})
+        if s.attributes.get(names.REQUEST_ID) in marks
+        else s
+        for s in spans
+    ]
+    assert status(run(all_there))[names.CHECK_CONTINUITY] == names.CHECK_PASS
+    # A decode engine that writes no digest: warned before any handle is looked at.
+    assert (
+        status(run(conversation_spans(prefill_resource=observe)))[names.CHECK_CONTINUITY] == names.CHECK_WARN
+    )

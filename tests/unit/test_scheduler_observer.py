@@ -378,7 +378,18 @@ def test_decode_hands_back_a_digest_and_prefill_checks_the_prompt_against_it() -
         "remote_num_tokens": len(held),
     }
     decode.on_finished(d_req, [[1, 2, 3, 4, 5]], (True, returned))
-    assert returned[names.XARG_CONTINUITY] == continuity.digest(held, len(held), 128)
+    written = returned[names.XARG_CONTINUITY]
+    assert (written["n"], written["prompt"]) == (144, 128)  # the KV's tokens, not the last one
+    n, prompt, hashes = continuity.parse(written)  # type: ignore[misc]
+    assert (n, prompt, len(hashes)) == (144, 128, 5)  # 4 chunks of prompt, 1 of answer
+    # A prefill node's own finished request (its handle for decode) gets no digest.
+    p_obs, _ = make_observer()
+    p_req = make_request({"do_remote_decode": True}, prompt=128)
+    p_req.all_token_ids, p_req.num_computed_tokens = held[:128], 128
+    p_obs.on_new_request(p_req)
+    p_returned = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3, 4]]}
+    p_obs.on_finished(p_req, [[1, 2, 3, 4]], (True, p_returned))
+    assert names.XARG_CONTINUITY not in p_returned
 
     prefill, exporter = make_observer()
     handle = {
