@@ -10,7 +10,6 @@ document the CLI prints and the sidecar's API serves.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from otelkv.analysis.engine_probe import EngineProbe
 from otelkv.analysis.linker import window_turns
 from otelkv.analysis.model import SOURCE_SIDECAR, EngineConfig, Turn, engine_config
 from otelkv.analysis.sources import SpanSource
+from otelkv.analysis.tune.window import quantile
 from otelkv.spans import SpanRecord, attr_str, opt_str
 
 PASS_SHARE = 0.9
@@ -98,29 +98,28 @@ def _share_status(share: float) -> str:
     return names.CHECK_WARN if share >= WARN_SHARE else names.CHECK_FAIL
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def _served(ev: Evidence) -> list[Turn]:
     """The sidecar's turns that got an answer (a failed turn may never have reached an engine)."""
     return [t for t in ev.turns if t.source == SOURCE_SIDECAR and t.status == names.TURN_STATUS_OK]
 
 
 def engines_of(spans: Iterable[SpanRecord]) -> list[Engine]:
-    """One entry per engine (its ``otelkv.engine_id``, else its service and pid)."""
-    seen: dict[str, tuple[EngineConfig, int, str | None]] = {}
+    """One entry per engine (its ``otelkv.engine_id``, else its service and pid), with the
+    configuration its latest request stated (spans come oldest first)."""
+    latest: dict[str, SpanRecord] = {}
+    counts: dict[str, int] = {}
     for span in spans:
         res = span.resource
         key = attr_str(res, names.ENGINE_ID) or f"{span.service_name}/{res.get('process.pid', '?')}"
-        # Spans come oldest first: the latest configuration in force wins.
-        n = seen[key][1] if key in seen else 0
-        config = engine_config(res)
+        latest[key] = span
+        counts[key] = counts.get(key, 0) + 1
+    out = []
+    for key, span in sorted(latest.items()):
+        config = engine_config(span.resource)
         if config.role is None:  # the resource normally says; the request span always does
             config.role = attr_str(span.attributes, names.ROLE) or None
-        seen[key] = (config, n + 1, opt_str(res, names.CONTINUITY_VERIFY))
-    return [Engine(k, c, n, cont) for k, (c, n, cont) in sorted(seen.items())]
+        out.append(Engine(key, config, counts[key], opt_str(span.resource, names.CONTINUITY_VERIFY)))
+    return out
 
 
 # ------------------------------------------------------------------ the checks
@@ -432,7 +431,7 @@ def check_ttl_vs_gaps(ev: Evidence) -> Check:
     if not gaps or ttl is None:
         what = "no follow-up turn" if not gaps else "decoder_kv_blocks_ttl is unknown"
         return Check(names.CHECK_TTL_VS_GAPS, names.CHECK_SKIP, what)
-    p50, p90 = _quantile(gaps, 0.5), _quantile(gaps, 0.9)
+    p50, p90 = quantile(gaps, 0.5), quantile(gaps, 0.9)
     evidence = {
         "follow_up_turns": len(gaps),
         "gap_p50_s": round(p50, 3),
