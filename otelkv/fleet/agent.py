@@ -8,8 +8,8 @@ exactly as it would with a real model. Every turn gets its own trace: the agent 
 result) when it has a tracer, or at least a fresh W3C ``traceparent``, and records the
 trace id it used so tests can find everything that happened for that turn.
 
-Completions are requested with ``ignore_eos`` and a fixed ``max_tokens``: random-weight
-models stop at random places otherwise, and the tests need predictable token counts.
+Completions are requested with ``ignore_eos`` and a fixed ``max_tokens``: the tests need
+predictable token counts, whatever the model would choose to stop at.
 
 A turn with ``interrupt_after`` is streamed and the driver hangs up after that many
 content chunks, the way a user presses stop: the connection is closed mid-response, the

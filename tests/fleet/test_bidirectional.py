@@ -1,4 +1,4 @@
-"""Bidirectional KV transfer on a real 1P1D fleet: pulls, TTL lapse, threshold, metrics.
+"""Bidirectional KV transfer on a real 1P1D fleet: pulls, TTL lapse, threshold, metrics, answers.
 
 One fleet (decoder_kv_blocks_ttl=36 s, kv_recompute_threshold=64, default failure policy
 "fail") runs one concurrent workload; each test reads what the engines recorded for
@@ -20,6 +20,14 @@ from otelkv.fleet.agent import Conversation, Turn, TurnResult
 from otelkv.fleet.fleet import Fleet, FleetConfig
 from otelkv.spans import SpanRecord
 from tests.fleet.conftest import fleet_fixture
+from tests.fleet.logprobs import (
+    LOGPROB_TOLERANCE,
+    WRONG_KV_SHOWS,
+    chat_logprobs,
+    engine_spans,
+    max_difference,
+    recompute,
+)
 from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
 
 pytestmark = pytest.mark.fleet
@@ -354,7 +362,11 @@ def test_history_rewritten_under_one_id_loads_kv_of_other_tokens_and_otelkv_says
     """The hazard of vLLM 0.32 trusting the decode handle: turn 1 rewrites turn 0's user message
     under the same conversation id; the router sends the handle, the prefill node loads the
     decode node's KV for the whole rewritten prefix. The decode node's digest lets otelkv see
-    it: the first mismatch is where vLLM's own tokenization of the two prompts first differs."""
+    it: the first mismatch is where vLLM's own tokenization of the two prompts first differs.
+
+    The answer shows it too: its top logprobs differ from vLLM recomputing the rewritten
+    messages by far more than two recomputes differ (measured: 1.58 at the first position
+    against 0.0; ``tests.fleet.logprobs.LOGPROB_TOLERANCE``)."""
     from otelkv.analysis import report
     from otelkv.analysis.sources import InMemorySource
 
@@ -373,12 +385,7 @@ def test_history_rewritten_under_one_id_loads_kv_of_other_tokens_and_otelkv_says
         {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
         {"role": "user", "content": "now answer"},
     ]
-    _post(
-        fleet,
-        fleet.url + "/v1/chat/completions",
-        {"model": "tiny-llama", "messages": rewritten, "max_tokens": 8, "temperature": 0},
-        {"X-Conversation-Id": conv},
-    )
+    wrong = chat_logprobs(fleet.url, rewritten, conversation_id=conv, max_tokens=8)
     # Truth from vLLM itself: where the two prompts' token ids first differ.
     tokenized = [
         _post(fleet, fleet.prefill.url + "/tokenize", {"model": "tiny-llama", "messages": m})["tokens"]
@@ -405,6 +412,15 @@ def test_history_rewritten_under_one_id_loads_kv_of_other_tokens_and_otelkv_says
     )
     assert why["diagnoses"][0]["id"] == names.DIAG_KV_FOR_OTHER_TOKENS  # a failure ranks first
 
+    # The answer computed from that KV is not the answer to the rewritten messages: vLLM
+    # recomputing them (twice, to show what float noise is) tells what the answer should be.
+    truth, again = (recompute(fleet.url, rewritten, max_tokens=8) for _ in range(2))
+    for answer in (truth, again):
+        p = engine_spans(fleet.sink, answer.trace_id)[names.ROLE_PREFILL].attributes
+        assert (p[names.TOKENS_PULLED], p[names.TOKENS_LOCAL_CACHE_HIT]) == (0, 0)
+    assert max_difference(truth, again) <= LOGPROB_TOLERANCE
+    assert max_difference(wrong, truth) > WRONG_KV_SHOWS, (wrong.positions[0], truth.positions[0])
+
 
 def test_a_conversation_that_extends_its_history_never_mismatches_in_it(
     fleet: Fleet, results: dict[str, list[TurnResult]]
@@ -421,6 +437,48 @@ def test_a_conversation_that_extends_its_history_never_mismatches_in_it(
     for a in pulled:
         assert a[names.CONTINUITY_DIGEST] is True and a[names.CONTINUITY_OFFERED] > 0
         assert a.get(names.CONTINUITY_MISMATCH_IN) != names.CONTINUITY_IN_HISTORY, a
+
+
+# ------------------------------------------------------------------ answers: top logprobs
+
+
+def test_an_answer_after_a_pull_has_the_top_logprobs_of_a_recompute(
+    fleet: Fleet, results: dict[str, list[TurnResult]]
+) -> None:
+    """Turn 1 of a conversation pulls turn 0's KV from the decode node; the same final
+    messages sent again with no conversation id and a fresh cache salt are recomputed
+    from scratch. Both answers (computed by the decode node from the prompt KV the prefill
+    node assembled) have the same tokens and top logprobs within float32 noise
+    (``tests.fleet.logprobs.LOGPROB_TOLERANCE``; measured: 0.0, bitwise equal)."""
+    assert fleet.sink is not None and fleet.prefill is not None
+    conv, system = "conv-logprobs", {"role": "system", "content": "you are a helpful agent"}
+    # A short first prompt and a long answer: the reusable remainder beyond the prefill
+    # node's own cache hit is well above the threshold, so turn 1 pulls.
+    first = [system, {"role": "user", "content": _words(3, 40)}]
+    turn0 = chat_logprobs(fleet.url, first, conversation_id=conv, max_tokens=80)
+    final = [
+        *first,
+        {"role": "assistant", "content": turn0.text},
+        {"role": "user", "content": "summarize the forecast"},
+    ]
+    # The KV the handle offers is that of exactly these tokens: vLLM's tokenization of the
+    # final messages begins with turn 0's prompt and the ids turn 0 generated.
+    before, after = (
+        _post(fleet, fleet.prefill.url + "/tokenize", {"model": "tiny-llama", "messages": m})["tokens"]
+        for m in (first, final)
+    )
+    assert after[: len(before) + len(turn0.token_ids)] == before + turn0.token_ids
+
+    pulled = chat_logprobs(fleet.url, final, conversation_id=conv, max_tokens=8)
+    truth = recompute(fleet.url, final, max_tokens=8)
+    p = engine_spans(fleet.sink, pulled.trace_id)[names.ROLE_PREFILL].attributes
+    assert p[names.PULL_REASON] == names.REASON_PULLED and p[names.TOKENS_PULLED] > 0
+    assert p.get(names.CONTINUITY_MISMATCH_IN) is None, p
+    t = engine_spans(fleet.sink, truth.trace_id)[names.ROLE_PREFILL].attributes
+    assert (t[names.TOKENS_PULLED], t[names.TOKENS_LOCAL_CACHE_HIT]) == (0, 0)
+    assert t[names.TOKENS_COMPUTED] == len(after)
+    assert pulled.token_ids == truth.token_ids
+    assert max_difference(pulled, truth) <= LOGPROB_TOLERANCE, (pulled.positions, truth.positions)
 
 
 def _prefills(spans: list[SpanRecord], conversation_id: str) -> list[SpanRecord]:
