@@ -4,18 +4,21 @@
 
 Drives the real ``OtelKVConnector`` (scheduler role, as in vLLM's EngineCore) around an
 inner connector that does nothing, through the hooks vLLM calls for one P/D request:
-arrival, matching, allocation, a finished KV load with transfer telemetry, finish with a
-retention, the retention's release, plus two engine steps. Spans go the production way:
+arrival, matching (with the continuity check of a decode handle that carries the digest of
+``--continuity-tokens`` tokens, which the prompt extends), allocation, a finished KV load
+with transfer telemetry, finish with a retention, the retention's release, plus two
+engine steps. Spans go the production way:
 records to otelkv's exporter process, which builds and OTLP-encodes them and posts them
 to a receiver running in another process. The same loop runs with
 ``otelkv_enabled=false`` (the wrapper forwarding straight through) in alternating
 repeats, so machine noise hits both alike.
 
-Prints, per request: CPU of this process (where vLLM's scheduler loop would run) for
-each arm and the difference; the exporter process's CPU (off the engine's core); and the
-difference as a share of a prefill request's engine time (``--engine-ms``, default 60 ms:
-the tiny model's prefill on this CPU; GPU prefills of long prompts take as long or
-longer).
+Prints, per request: the decode side's digest of ``--continuity-tokens`` tokens (what a
+decode node adds when a request finishes), then CPU of this process (where vLLM's
+scheduler loop would run) for each arm and the difference; the exporter process's CPU
+(off the engine's core); and the difference as a share of a prefill request's engine
+time (``--engine-ms``, default 60 ms: the tiny model's prefill on this CPU; GPU prefills
+of long prompts take as long or longer).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
 
 from otelkv import names
-from otelkv.engine import telemetry
+from otelkv.engine import continuity, telemetry
 from otelkv.engine.connector import OtelKVConnector
 from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord
 from tests.unit import fakes
@@ -60,7 +63,7 @@ def make_connector(enabled: bool) -> OtelKVConnector:
 HANDLE = fakes.DECODE_HANDLE
 
 
-def run(connector: OtelKVConnector, requests: int) -> float:
+def run(connector: OtelKVConnector, requests: int, handle: dict, prompt_ids: list[int]) -> float:
     fakes.RETURNS.update(
         {
             "get_num_new_matched_tokens": (98, True),
@@ -74,10 +77,11 @@ def run(connector: OtelKVConnector, requests: int) -> float:
         rid = f"chatcmpl-{i:08x}-12345678"
         request = SimpleNamespace(
             request_id=rid,
-            kv_transfer_params=dict(HANDLE),
+            kv_transfer_params=dict(handle),
+            prompt_token_ids=prompt_ids,
             trace_headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
             session_id="conv-1",
-            num_prompt_tokens=150,
+            num_prompt_tokens=len(prompt_ids),
             num_output_tokens=1,
             status=status,
         )
@@ -105,7 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--engine-ms", type=float, default=60.0, help="engine time of one request (ms)")
+    parser.add_argument(
+        "--continuity-tokens",
+        type=int,
+        default=2048,
+        help="tokens the decode handle's digest covers (0: none)",
+    )
     args = parser.parse_args(argv)
+    held = list(range(1000, 1000 + args.continuity_tokens))
+    prompt_ids = [*held, *range(64)] if held else list(range(150))
+    handle = dict(HANDLE)
+    if held:
+        handle.update(
+            remote_num_tokens=len(held),
+            **{names.XARG_CONTINUITY: continuity.digest(held, len(held), len(held) - 64)},
+        )
+    digest_us = []
+    for _ in range(args.repeats):
+        started = time.process_time()
+        for _ in range(200):
+            continuity.digest(held, len(held), len(held) - 64)
+        digest_us.append((time.process_time() - started) / 200 * 1e6)
 
     sink = subprocess.Popen(
         [sys.executable, "-c", SINK], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -126,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 writer = connector._sched._writer if connector._sched else None  # type: ignore[union-attr]
                 child = getattr(getattr(writer, "_proc", None), "pid", None)
                 child_before = cpu_seconds(child) if child else 0.0
-                (on_us if enabled else off_us).append(run(connector, args.requests))
+                (on_us if enabled else off_us).append(run(connector, args.requests, handle, prompt_ids))
                 if child:
                     time.sleep(1.0)  # let the exporter process finish the last batch
                     exporter_us.append((cpu_seconds(child) - child_before) / args.requests * 1e6)
@@ -135,10 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         sink.kill()
     on, off = statistics.median(on_us), statistics.median(off_us)
     added = on - off
+    print(
+        f"decode side: digest of {len(held)} tokens when a request finishes "
+        f"{statistics.median(digest_us):8.1f} us (median of {args.repeats} x 200)"
+    )
     print(f"CPU per P/D request through the hooks (median of {args.repeats} x {args.requests} requests):")
     print(f"  engine process, otelkv off (pure forwarding) {off:8.1f} us")
     print(f"  engine process, otelkv on                    {on:8.1f} us")
-    print(f"  added on the engine's process                {added:8.1f} us per request (3 spans recorded)")
+    print(
+        f"  added on the engine's process                {added:8.1f} us per request "
+        f"(3 spans recorded, a {len(held)}-token continuity check)"
+    )
     print(
         f"  otelkv's exporter process (another core)     {statistics.median(exporter_us):8.1f} us per request"
     )

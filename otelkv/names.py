@@ -328,7 +328,14 @@ CONTINUITY_IN_ANSWER: Final = "answer"
 CONTINUITY_MATCH: Final = "match"
 CONTINUITY_MISMATCH: Final = "mismatch"
 CONTINUITY_UNVERIFIED: Final = "unverified"
-CONTINUITY_OUTCOMES: Final = (CONTINUITY_MATCH, CONTINUITY_MISMATCH, CONTINUITY_UNVERIFIED)
+CONTINUITY_REFUSED: Final = "refused"
+"""Guard mode refused the handle: none of the tokens it offered were loaded."""
+CONTINUITY_OUTCOMES: Final = (
+    CONTINUITY_MATCH,
+    CONTINUITY_MISMATCH,
+    CONTINUITY_UNVERIFIED,
+    CONTINUITY_REFUSED,
+)
 
 ROLE_PREFILL: Final = "prefill"
 ROLE_DECODE: Final = "decode"
@@ -355,6 +362,9 @@ REASON_BIDIRECTIONAL_OFF: Final = "bidirectional_off"
 vLLM 0.32.0 then reports the tokens as loadable but never reads them."""
 REASON_DECLINED_EXPIRED: Final = "declined_expired"
 REASON_TRANSFER_FAILED: Final = "transfer_failed"
+REASON_CONTINUITY_MISMATCH: Final = "continuity_mismatch"
+"""Guard mode refused the decode handle: its digest shows KV computed for other tokens than
+this prompt's. vLLM recomputes; the decode node's blocks are released as for a full local hit."""
 PULL_REASONS: Final = (
     REASON_PULLED,
     REASON_BELOW_THRESHOLD,
@@ -364,6 +374,7 @@ PULL_REASONS: Final = (
     REASON_BIDIRECTIONAL_OFF,
     REASON_DECLINED_EXPIRED,
     REASON_TRANSFER_FAILED,
+    REASON_CONTINUITY_MISMATCH,
 )
 
 TRANSFER_OK: Final = "ok"
@@ -528,9 +539,13 @@ CHECKS: Final = (
 )
 CONTINUITY_VERIFY: Final = "otelkv.continuity.verify"
 """Resource attribute: how the engine checks that KV it reads belongs to the prompt
-(:data:`CONTINUITY_MODE_OBSERVE`; absent: it does not, as vLLM 0.32 trusts the handle)."""
+(:data:`CONTINUITY_MODES`; absent: it does not, as vLLM 0.32 trusts the handle)."""
 CONTINUITY_MODE_OBSERVE: Final = "observe"
 """Handles are checked against the prompt and mismatches recorded; vLLM still loads them."""
+CONTINUITY_MODE_GUARD: Final = "guard"
+"""As observe, and a handle whose digest contradicts the prompt is not used
+(:data:`REASON_CONTINUITY_MISMATCH`)."""
+CONTINUITY_MODES: Final = (CONTINUITY_MODE_OBSERVE, CONTINUITY_MODE_GUARD)
 
 # Flags of ``otelkv tune`` (stable ids: settings that are clearly wrong, documented in docs/tune.md).
 TUNE_ROUTER_TTL_ABOVE_DECODE_TTL: Final = "router_ttl_above_decode_ttl"
@@ -572,7 +587,7 @@ METRIC_INSTRUMENTATION_ERRORS: Final = "otelkv_instrumentation_errors"
 """Counter, label site: exceptions otelkv caught inside its own code (fail-open)."""
 METRIC_CONTINUITY_TOKENS: Final = "otelkv_continuity_tokens"
 """Counter, label outcome: tokens a decode handle offered a prefill request, by whether they
-match the prompt (:data:`CONTINUITY_OUTCOMES`)."""
+match the prompt, or were refused by guard mode (:data:`CONTINUITY_OUTCOMES`)."""
 
 TRANSFER_SECONDS_BUCKETS: Final = (
     0.001,
@@ -604,10 +619,14 @@ CONFIG_INNER_CONNECTOR: Final = "otelkv_inner_connector"
 CONFIG_INNER_MODULE_PATH: Final = "otelkv_inner_module_path"
 CONFIG_STUCK_AFTER_SECONDS: Final = "otelkv_stuck_after_s"
 CONFIG_TRACES: Final = "otelkv_traces"
+CONFIG_CONTINUITY: Final = "otelkv_continuity"
+"""``observe`` (default) or ``guard``: what the prefill node does with a handle whose KV
+belongs to other tokens (:data:`CONTINUITY_MODES`)."""
 
 ENV_ENABLED: Final = "OTELKV_ENABLED"
 ENV_STUCK_AFTER_SECONDS: Final = "OTELKV_STUCK_AFTER_S"
 ENV_TRACES: Final = "OTELKV_TRACES"
+ENV_CONTINUITY: Final = "OTELKV_CONTINUITY"
 ENV_FAULT_INJECT: Final = "OTELKV_FAULT_INJECT"
 """Comma-separated observer sites (or ``all``) at which otelkv raises on purpose. For
 fail-open tests and drills only: serving must go on unchanged while it is set."""
@@ -797,7 +816,8 @@ ENGINE_METRICS: Final = (
         METRIC_CONTINUITY_TOKENS,
         COUNTER,
         (LABEL_OUTCOME,),
-        "Tokens a decode handle offered a prefill request: matching the prompt, not matching, or unverified.",
+        "Tokens a decode handle offered a prefill request: matching the prompt, not matching, unverified, "
+        "or refused by guard mode.",
     ),
     Metric(
         METRIC_INSTRUMENTATION_ERRORS,

@@ -267,6 +267,10 @@ def check_kv_for_other_tokens(turn: Turn, ctx: Context) -> Diagnosis | None:
             "Give a conversation whose history changed (compaction, an edited or dropped message) a new "
             "conversation id, so the router sends no decode handle for it."
         )
+    fix += (
+        f" Until then, run the prefill engines with {names.CONFIG_CONTINUITY}: "
+        f"{names.CONTINUITY_MODE_GUARD}: otelkv then refuses such handles and vLLM recomputes."
+    )
     return Diagnosis(
         names.DIAG_KV_FOR_OTHER_TOKENS,
         title(names.DIAG_KV_FOR_OTHER_TOKENS),

@@ -176,7 +176,8 @@ def decisions_by_reason() -> PanelBuilder:
         "Each prefill request's pull-or-recompute decision and why: pulled; below_threshold "
         "(fewer reusable tokens than kv_recompute_threshold); no_decode_handle (first turn, "
         "router miss, no conversation id, streaming decode leg); declined_expired (the TTL "
-        "ran out); bidirectional_off; invalid_handle; transfer_failed.",
+        "ran out); bidirectional_off; invalid_handle; transfer_failed; continuity_mismatch (guard "
+        "mode refused a handle whose KV belongs to other tokens).",
         PER_SECOND,
         [prom(q.sum_by((q.DECISION, q.REASON), q.rate(_decisions())), "{{decision}}: {{reason}}")],
         stack=True,
@@ -607,6 +608,38 @@ def failed_requests() -> PanelBuilder:
     )
 
 
+# ------------------------------------------------------------------ continuity
+
+
+def continuity_tokens() -> PanelBuilder:
+    series = q.sel(q.counter(names.METRIC_CONTINUITY_TOKENS), E)
+    return timeseries_panel(
+        38,
+        "Offered KV by continuity",
+        "Prompt tokens that decode handles offered prefill nodes, by whether the KV belongs to the "
+        "prompt (the decode node's digest against the new prompt's tokens): match (loaded, "
+        "verified), mismatch (loaded, but computed for other tokens: answers may be wrong), "
+        "unverified (loaded, a partial chunk), refused (guard mode recomputed instead).",
+        TOKENS_PER_SECOND,
+        [prom(q.sum_by((q.OUTCOME,), q.rate(series)), "{{outcome}}")],
+        stack=True,
+    )
+
+
+def guard_refusals() -> PanelBuilder:
+    refused = _decisions(q.eq(q.REASON, names.REASON_CONTINUITY_MISMATCH))
+    return timeseries_panel(
+        39,
+        "Guard refusals",
+        "Prefill requests whose decode handle guard mode refused (otelkv_continuity: guard; reason "
+        "continuity_mismatch): the history was rewritten or the previous answer re-rendered, so "
+        "the decode node's KV did not belong to the prompt and vLLM recomputed.",
+        PER_SECOND,
+        [prom(q.sum_by((), q.rate(refused)), "refused handles")],
+        bars=True,
+    )
+
+
 # ------------------------------------------------------------------ sidecar
 
 
@@ -644,7 +677,8 @@ def build() -> dashboard.Dashboard:
             UID,
             TITLE,
             "Whether the decode node's KV pays off for agent traffic: prompt tokens by source, "
-            "pull decisions and their reasons, NIXL transfers, the blocks kept for the next "
+            "pull decisions and their reasons, whether reused KV belongs to the prompt, NIXL "
+            "transfers, the blocks kept for the next "
             "turn, TTL expiries against the gaps between turns, and requests that failed.",
             (PROMETHEUS, CLICKHOUSE, TEMPO),
         )
@@ -662,6 +696,9 @@ def build() -> dashboard.Dashboard:
         .with_panel(decisions_by_reason())
         .with_panel(decisions_over_range())
         .with_panel(local_hit_rate())
+        .with_row(frame.row(37, "Continuity: does reused KV belong to the prompt?"))
+        .with_panel(continuity_tokens())
+        .with_panel(guard_refusals())
         .with_row(frame.row(13, "KV transfers"))
         .with_panel(transfer_bytes())
         .with_panel(transfer_latency())

@@ -88,6 +88,9 @@ class EngineSettings:
     block_size: int | None = None
     kv_cache_dtype: str = ""
     prefix_caching: bool | None = None
+    continuity: str = names.CONTINUITY_MODE_OBSERVE
+    """What the prefill node does with a decode handle whose KV belongs to other tokens:
+    ``observe`` records it and lets vLLM load it, ``guard`` makes vLLM recompute."""
 
     @property
     def engine_role(self) -> str:
@@ -121,6 +124,12 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
         names.CONFIG_STUCK_AFTER_SECONDS,
         pick(names.CONFIG_STUCK_AFTER_SECONDS, names.ENV_STUCK_AFTER_SECONDS, 60.0),
     )
+    raw_mode = pick(names.CONFIG_CONTINUITY, names.ENV_CONTINUITY, names.CONTINUITY_MODE_OBSERVE)
+    continuity = str(raw_mode).strip().lower()
+    if continuity not in names.CONTINUITY_MODES:
+        raise ConfigError(
+            f"{names.CONFIG_CONTINUITY}={raw_mode!r}: expected one of {', '.join(names.CONTINUITY_MODES)}"
+        )
     faults = frozenset(s.strip() for s in env.get(names.ENV_FAULT_INJECT, "").split(",") if s.strip())
 
     backends = extra.get("backends") or NIXL_DEFAULT_BACKENDS
@@ -158,6 +167,7 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
         block_size=block_size,
         kv_cache_dtype=kv_dtype,
         prefix_caching=prefix_caching,
+        continuity=continuity,
     )
 
 

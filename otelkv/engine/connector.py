@@ -2,7 +2,10 @@
 
 Like vLLM's ``MultiConnector`` it owns the inner connector by composition and forwards
 every hook, property and classmethod of ``KVConnectorBase_V1`` and ``SupportsHMA``;
-return values and exceptions of the inner connector pass through unchanged. The
+return values and exceptions of the inner connector pass through unchanged, with one
+opt-in exception: in guard mode (``otelkv_continuity: "guard"``) a prefill request whose
+decode handle offers KV computed for other tokens is told "nothing to load", so vLLM
+recomputes instead of using wrong KV. The
 observations live in two role-specific modules picked once in ``__init__``:
 :mod:`~otelkv.engine.scheduler_observer` (EngineCore) and
 :mod:`~otelkv.engine.worker_observer` (worker). Each observer call is guarded: an
@@ -386,8 +389,14 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        if self._sched is not None:
-            self._sched.on_matched(request, num_computed_tokens, result)
+        sched = self._sched
+        if sched is not None:
+            if result[0] and sched.guarding and sched.refuses(request) is True:
+                # Guard mode: KV computed for other tokens is not loaded, vLLM recomputes.
+                # The inner connector still gets the handle in update_state_after_alloc and,
+                # as for a full local prefix hit, tells the decode node to release its blocks.
+                result = (0, False)
+            sched.on_matched(request, num_computed_tokens, result)
         return result
 
     def get_external_cache_hit_sources(

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import sys
-from array import array
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,15 +43,18 @@ def _bounds(n: int, prompt: int) -> list[tuple[int, int]]:
     return out
 
 
+def _raw(token_ids: Sequence[int], n: int) -> bytes:
+    """The first ``n`` token ids as little-endian 64-bit integers (``struct``: about twice as
+    fast as ``array`` from a list here)."""
+    ids = token_ids[:n]
+    return struct.pack(f"<{len(ids)}q", *ids)
+
+
 def _hashes(token_ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> Iterator[bytes]:
-    """The chained hash at the end of each chunk, computed lazily (a check stops at the first
-    that differs)."""
+    """The chained hash at the end of each chunk: the hash of every token up to that chunk's end."""
     if not bounds:
         return
-    ids = array("q", token_ids[: bounds[-1][1]])
-    if sys.byteorder == "big":
-        ids.byteswap()
-    raw = ids.tobytes()
+    raw = _raw(token_ids, bounds[-1][1])
     chain = hashlib.blake2b(digest_size=HASH_BYTES)
     for lo, hi in bounds:
         chain.update(raw[lo * 8 : hi * 8])
@@ -131,10 +133,23 @@ def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: Any) -
     offered = max(min(remote, len(prompt_token_ids)), 0)
     # Only chunks wholly inside what is offered (and covered by the digest) are compared.
     bounds = [(lo, hi) for lo, hi in _bounds(n, prev_prompt) if hi <= offered]
-    matching = 0
-    for (lo, hi), mine, theirs in zip(bounds, _hashes(prompt_token_ids, bounds), hashes, strict=False):
-        if mine != theirs:
-            where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
-            return Check(offered, lo, lo, where)
-        matching = hi
-    return Check(offered, matching, None, None)
+    if not bounds:
+        return Check(offered, 0, None, None)
+    raw = _raw(prompt_token_ids, bounds[-1][1])
+
+    def same(i: int) -> bool:  # hash i covers every token up to the end of chunk i
+        return hashlib.blake2b(raw[: bounds[i][1] * 8], digest_size=HASH_BYTES).digest() == hashes[i]
+
+    last = len(bounds) - 1
+    if same(last):  # the usual case: one hash over the prompt's offered tokens
+        return Check(offered, bounds[last][1], None, None)
+    first, bad = 0, last  # chained hashes: once one differs, every later one does
+    while first < bad:
+        mid = (first + bad) // 2
+        if same(mid):
+            first = mid + 1
+        else:
+            bad = mid
+    lo = bounds[first][0]
+    where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
+    return Check(offered, lo, lo, where)

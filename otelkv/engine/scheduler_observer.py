@@ -19,7 +19,7 @@ Every public method is wrapped by :func:`~otelkv.engine.guard.guarded`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry.trace import StatusCode
@@ -108,6 +108,8 @@ class _Request:
     transfer: _TransferSpan | None = None
     continuity_checked: bool = False
     continuity: continuity.Check | None = None
+    refused: bool = False
+    """Guard mode refused the decode handle (its KV belongs to other tokens)."""
 
 
 class SchedulerObserver:
@@ -231,8 +233,35 @@ class SchedulerObserver:
                 threshold=self.settings.recompute_threshold,
                 bidirectional=self.settings.bidirectional,
             )
+            if state.refused and state.decision.decision == names.DECISION_PULL:
+                state.decision = replace(
+                    state.decision, decision=names.DECISION_RECOMPUTE, reason=names.REASON_CONTINUITY_MISMATCH
+                )
             if not state.continuity_checked:  # after the decision: a failure here loses only itself
                 self._check_continuity(state, request)
+
+    @property
+    def guarding(self) -> bool:
+        """Guard mode: a handle whose digest contradicts the prompt is refused."""
+        return self.settings.continuity == names.CONTINUITY_MODE_GUARD
+
+    @guarded("continuity_guard")
+    def refuses(self, request: Any) -> bool:
+        """Guard mode's verdict on a prefill request the connector would load KV for: True
+        when the handle's digest shows KV computed for other tokens than this prompt's.
+
+        Only a proven mismatch refuses: a handle without a digest (an engine without otelkv
+        wrote it) or tokens beyond it are loaded as vLLM would. Fails open: an error here
+        returns None (the wrapper then lets vLLM load) and is counted.
+        """
+        state = self._reqs.get(request.request_id)
+        if state is None or state.role != names.ROLE_PREFILL:
+            return False
+        if not state.continuity_checked:
+            self._check_continuity(state, request)
+        check = state.continuity
+        state.refused = check is not None and check.first_mismatch is not None
+        return state.refused
 
     def _check_continuity(self, state: _Request, request: Any) -> None:
         """The prompt against the digest in the decode handle, once per request."""
@@ -250,9 +279,17 @@ class SchedulerObserver:
             params.get("remote_num_tokens") or 0,
         )
 
-    def _record_continuity(self, attrs: dict[str, Any], check: continuity.Check | None) -> None:
+    def _record_continuity(
+        self, attrs: dict[str, Any], check: continuity.Check | None, *, refused: bool
+    ) -> None:
+        """Span attributes, and the offered tokens counted by outcome: ``refused`` (guard mode
+        loaded none of them) or ``match``/``mismatch``/``unverified`` (vLLM loaded them)."""
         _continuity_attrs(attrs, check)
         if check is None:
+            return
+        if refused:
+            if check.offered:
+                self._count(names.METRIC_CONTINUITY_TOKENS, names.CONTINUITY_REFUSED, value=check.offered)
             return
         mismatched = check.offered - check.matching - check.unverified
         for outcome, value in (
@@ -511,7 +548,7 @@ class SchedulerObserver:
         if state.remote_kv_wait_s is not None:
             attrs[names.REMOTE_KV_WAIT_SECONDS] = state.remote_kv_wait_s
         if state.continuity_checked:
-            self._record_continuity(attrs, state.continuity)
+            self._record_continuity(attrs, state.continuity, refused=state.refused)
         if decision is not None:
             attrs[names.PULL_DECISION] = decision.decision
             if state.reason is not None:
@@ -684,7 +721,7 @@ def engine_resource_attributes(settings: EngineSettings, connector_name: str) ->
         names.DECODER_KV_BLOCKS_TTL: settings.decoder_ttl_s,
         names.KV_LOAD_FAILURE_POLICY: settings.load_failure_policy,
         names.GEN_AI_REQUEST_MODEL: settings.model,
-        names.CONTINUITY_VERIFY: names.CONTINUITY_MODE_OBSERVE,
+        names.CONTINUITY_VERIFY: settings.continuity,
     }
     if settings.kv_cache_dtype:
         attrs[names.KV_CACHE_DTYPE] = settings.kv_cache_dtype

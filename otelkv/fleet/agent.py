@@ -47,6 +47,10 @@ class Turn:
     """Hang up after this many streamed content chunks (the turn is streamed even if the
     conversation is not). One chunk is one token when the server streams token by token;
     the reference router re-emits a finished answer, so there the first chunk is all of it."""
+    rewrite_first_user: str | None = None
+    """Before this turn the app replaces its first user message with this text (an edited
+    message, a compacted history), under the same conversation id: the history no longer
+    matches the KV the decode node holds for the previous turn."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,10 @@ class AgentDriver:
             call_id = f"call_{secrets.token_hex(8)}"
             if turn.pause_s > 0:
                 await self._pause(conversation, turn, call_id)
+            if turn.rewrite_first_user is not None:
+                first = next((m for m in messages if m["role"] == "user"), None)
+                if first is not None:
+                    first["content"] = turn.rewrite_first_user
             if turn.tool and len(messages) > 1 and messages[-1]["role"] == "assistant":
                 messages[-1]["tool_calls"] = [
                     {"id": call_id, "type": "function", "function": {"name": turn.tool, "arguments": "{}"}}

@@ -56,6 +56,9 @@ class FleetConfig:
     router whose TTL is longer than the decode node's."""
     stream_decode: bool = False
     stuck_after_s: float = 60.0
+    continuity: str = names.CONTINUITY_MODE_OBSERVE
+    """``otelkv_continuity`` on both engines: ``guard`` refuses a handle whose KV belongs to
+    other tokens than the prompt's."""
     max_model_len: int = 2048
     max_num_seqs_decode: int = 16
     """Requests the decode node runs at once; the rest wait (``vllm:num_requests_waiting``)."""
@@ -144,7 +147,11 @@ class Fleet:
             "load_failure_policy": cfg.load_failure_policy,
             "max_model_len": cfg.max_model_len,
             "otlp_traces_endpoint": endpoint if cfg.vllm_tracing else None,
-            "otelkv_extra": {names.CONFIG_STUCK_AFTER_SECONDS: cfg.stuck_after_s} if cfg.instrumented else {},
+            "otelkv_extra": (
+                {names.CONFIG_STUCK_AFTER_SECONDS: cfg.stuck_after_s, names.CONFIG_CONTINUITY: cfg.continuity}
+                if cfg.instrumented
+                else {}
+            ),
             "env": {
                 **(
                     {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}

@@ -1,13 +1,15 @@
 """The dashboards against a real run: every query returns data from a real fleet.
 
 One fleet (decoder_kv_blocks_ttl=36 s, a router that forwards handles of any age, the
-sidecar in front, a decode node that runs two requests at a time) runs agent
+sidecar in front, a decode node that runs two requests at a time, otelkv's continuity guard
+on) runs agent
 conversations chosen so that every panel has something to show: streamed turns that pull
 the previous turn's KV (TTFT by turn index, D->P transfers), tool waits measured from
 agent spans and from messages, a conversation without id, turns below the recompute
 threshold, two tool waits longer than the TTL, some seconds apart, whose next turns vLLM
-fails (declined_expired, failed_kv_load, expired retentions, error turns), and a burst of
-long answers that queues on the decode node (requests waiting).
+fails (declined_expired, failed_kv_load, expired retentions, error turns), two
+conversations that rewrite their history under the same id (guard refusals), and a burst
+of long answers that queues on the decode node (requests waiting).
 
 A real Prometheus (Debian's ``/usr/bin/prometheus``, 1 s scrapes, its own temporary
 storage) scrapes both engines' ``/metrics`` and the sidecar's admin ``/metrics`` during the
@@ -101,6 +103,21 @@ ANONYMOUS = Conversation(
     send_conversation_id=False,
     stream=True,
 )
+
+
+def _rewrite_turns(topic: str) -> list[Turn]:
+    """A turn, then one whose app first replaced the turn's user message (a compacted history)."""
+    return [
+        Turn(f"review the pull request for the {topic} module and list every issue", 80),
+        Turn("now answer", 16, pause_s=0.6, rewrite_first_user=f"summarize the {topic} module review"),
+    ]
+
+
+REWRITE = Conversation("dash-rewrite", _rewrite_turns("cache"))
+"""The app compacts its history under the same id: guard mode refuses the decode handle."""
+REWRITE_AGAIN = Conversation("dash-rewrite-again", _rewrite_turns("index"))
+"""Other words: the prefill node's prefix cache would otherwise hold the whole rewritten prompt
+from the first time (nothing beyond the local hit, no refusal)."""
 SHORT = Conversation("dash-short", [Turn("yes or no", 8), Turn("why", 8, pause_s=0.5)])
 TAIL = Conversation("dash-tail", [Turn("one more question after the lapse", 16)])
 """Sent after each lapse: vLLM frees expired blocks on the decode node's next step, so the
@@ -224,7 +241,11 @@ def prometheus_binary() -> str:
 @pytest.fixture(scope="module")
 def fleet(prometheus_binary: str, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     config = FleetConfig(
-        decoder_ttl_s=TTL_S, router_handle_ttl_s=None, sidecar=True, max_num_seqs_decode=DECODE_SLOTS
+        decoder_ttl_s=TTL_S,
+        router_handle_ttl_s=None,
+        sidecar=True,
+        max_num_seqs_decode=DECODE_SLOTS,
+        continuity=names.CONTINUITY_MODE_GUARD,
     )
     yield from fleet_fixture(config, request)
 
@@ -283,6 +304,11 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
         await asyncio.sleep(AGAIN_AFTER_S)
         return first, await traced.run(REUSE_AGAIN, session)
 
+    async def rewrite_twice(session: aiohttp.ClientSession) -> Any:
+        first = await traced.run(REWRITE, session)
+        await asyncio.sleep(AGAIN_AFTER_S)
+        return first, await traced.run(REWRITE_AGAIN, session)
+
     async def burst(session: aiohttp.ClientSession) -> list[list[TurnResult]]:
         return list(await asyncio.gather(*(traced.run(c, session) for c in BURST)))
 
@@ -294,6 +320,7 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
                 short,
                 (lapse, tail),
                 (lapse_again, tail_again),
+                (rewrite, rewrite_again),
                 bursts,
             ) = await asyncio.gather(
                 reuse_twice(session),
@@ -301,12 +328,37 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
                 traced.run(SHORT, session),
                 lapse_then_tail(LAPSE, TAIL, session),
                 second_lapse(session),
+                rewrite_twice(session),
                 burst(session),
             )
-            return [reuse, reuse_again, anonymous, short, lapse, tail, lapse_again, tail_again, *bursts]
+            return [
+                reuse,
+                reuse_again,
+                anonymous,
+                short,
+                lapse,
+                tail,
+                lapse_again,
+                tail_again,
+                rewrite,
+                rewrite_again,
+                *bursts,
+            ]
 
     runs = asyncio.run(main())
-    conversations = [REUSE, REUSE_AGAIN, ANONYMOUS, SHORT, LAPSE, TAIL, LAPSE_AGAIN, TAIL_AGAIN, *BURST]
+    conversations = [
+        REUSE,
+        REUSE_AGAIN,
+        ANONYMOUS,
+        SHORT,
+        LAPSE,
+        TAIL,
+        LAPSE_AGAIN,
+        TAIL_AGAIN,
+        REWRITE,
+        REWRITE_AGAIN,
+        *BURST,
+    ]
     results = {c.conversation_id: r for c, r in zip(conversations, runs, strict=True)}
     for conversation, turns in results.items():
         if conversation in LAPSES:
@@ -487,6 +539,7 @@ def test_the_run_itself_covers_what_the_panels_are_about(run: Run, prometheus: P
         names.REASON_NO_DECODE_HANDLE,
         names.REASON_DECLINED_EXPIRED,
         names.REASON_BELOW_THRESHOLD,
+        names.REASON_CONTINUITY_MISMATCH,
     } <= reasons
     expired = q.eq(q.OUTCOME, names.RETENTION_EXPIRED)
     assert total(q.sel(q.counter(names.METRIC_RETENTIONS), (), expired)) >= len(LAPSES)

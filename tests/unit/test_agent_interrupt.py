@@ -99,3 +99,16 @@ def test_a_stream_read_to_the_end_is_not_interrupted() -> None:
     assert result.ok and not result.interrupted
     assert result.text == "".join(f"tok{i} " for i in range(CHUNKS))
     assert fake.streams[0]["finished"]
+
+
+def test_a_turn_that_rewrites_history_sends_the_edited_first_message_under_the_same_id() -> None:
+    """``rewrite_first_user``: the app edits its history (compaction, an edited message); the
+    request carries the new first user message and the rest of the history as it was."""
+    conversation = Conversation(
+        "c-rewrite", [Turn("first question", 3), Turn("next", 3, rewrite_first_user="edited question")]
+    )
+    fake, results = asyncio.run(_run(conversation))
+    assert [r.ok for r in results] == [True, True]
+    first, second = (r["messages"] for r in fake.requests)
+    assert first[1]["content"] == "first question"
+    assert [m["content"] for m in second[1:]] == ["edited question", "tok0 tok1 tok2 ", "next"]

@@ -350,6 +350,10 @@ def test_every_pull_reason_is_either_kept_or_deliberately_not(gateway: dict[str,
     assert after_first_turn == REUSE_LOST_AFTER_FIRST_TURN
     assert kept == set(names.PULL_REASONS) - REUSE_NOT_LOST - REUSE_LOST_AFTER_FIRST_TURN
     assert by_name["errors"]["status_code"]["status_codes"] == ["ERROR"]
+    assert by_name["kv-for-other-tokens"]["string_attribute"] == {
+        "key": names.CONTINUITY_MISMATCH_IN,
+        "values": [names.CONTINUITY_IN_HISTORY, names.CONTINUITY_IN_ANSWER],
+    }
     assert set(by_name["router-lost-handle"]["string_attribute"]["values"]) == {
         names.ROUTER_HANDLE_STALE,
         names.ROUTER_HANDLE_NO_CONVERSATION,

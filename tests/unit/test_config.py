@@ -120,6 +120,23 @@ def test_extra_config_wins_over_env() -> None:
     assert (s.enabled, s.traces, s.stuck_after_s) == (True, True, 9.0)
 
 
+@pytest.mark.parametrize(
+    ("extra", "env", "mode"),
+    [
+        ({}, {}, names.CONTINUITY_MODE_OBSERVE),
+        ({names.CONFIG_CONTINUITY: "guard"}, {}, names.CONTINUITY_MODE_GUARD),
+        ({}, {names.ENV_CONTINUITY: " Guard "}, names.CONTINUITY_MODE_GUARD),
+        (
+            {names.CONFIG_CONTINUITY: "observe"},
+            {names.ENV_CONTINUITY: "guard"},
+            names.CONTINUITY_MODE_OBSERVE,
+        ),
+    ],
+)
+def test_continuity_mode(extra: dict[str, Any], env: dict[str, str], mode: str) -> None:
+    assert settings(extra, env).continuity == mode
+
+
 def test_environ_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(names.ENV_STUCK_AFTER_SECONDS, "7")
     assert settings_from_vllm_config(fakes.vllm_config()).stuck_after_s == 7.0
@@ -148,6 +165,8 @@ def test_false_spellings(text: str) -> None:
         ({"decoder_kv_blocks_ttl": None}, {}, "decoder_kv_blocks_ttl=None"),
         ({"kv_lease_duration": [30]}, {}, "kv_lease_duration=[30]"),
         ({"backends": 3}, {}, "backends=3"),
+        ({names.CONFIG_CONTINUITY: "block"}, {}, "otelkv_continuity='block': expected one of observe, guard"),
+        ({}, {names.ENV_CONTINUITY: ""}, "otelkv_continuity='': expected one of"),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_key(

@@ -210,3 +210,44 @@ def test_inner_without_hma_is_refused_when_vllm_runs_the_hybrid_manager() -> Non
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     with pytest.raises(ValueError, match="does not support HMA"):
         OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
+
+
+@pytest.mark.parametrize("mode", [names.CONTINUITY_MODE_OBSERVE, names.CONTINUITY_MODE_GUARD])
+@pytest.mark.parametrize("rewritten", [False, True], ids=["prompt-extends-kv", "history-rewritten"])
+def test_only_guard_mode_changes_what_the_connector_matched_and_only_on_a_mismatch(
+    mode: str, rewritten: bool
+) -> None:
+    """The one place otelkv changes a return value: guard mode answers "nothing to load" for a
+    handle whose KV belongs to other tokens. Everything else is the inner connector's value."""
+    from types import SimpleNamespace
+
+    from otelkv.engine import continuity
+
+    fakes.reset()
+    config = fakes.vllm_config({names.CONFIG_CONTINUITY: mode})
+    connector = OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
+    held = list(range(100, 244))
+    handle = {
+        **fakes.DECODE_HANDLE,
+        "remote_num_tokens": len(held),
+        names.XARG_CONTINUITY: continuity.digest(held, len(held), 128),
+    }
+    prompt = [*held[:7], *range(900, 1073)] if rewritten else [*held, *range(900, 936)]
+    request = SimpleNamespace(
+        request_id="chatcmpl-next-0badf00d",
+        kv_transfer_params=handle,
+        trace_headers=None,
+        session_id="conv-1",
+        num_prompt_tokens=len(prompt),
+        prompt_token_ids=prompt,
+        sampling_params=None,
+    )
+    connector.on_new_request(request)  # type: ignore[arg-type]
+    fakes.RETURNS["get_num_new_matched_tokens"] = inner = (144, True)
+    result = connector.get_num_new_matched_tokens(request, 0)  # type: ignore[arg-type]
+    refused = mode == names.CONTINUITY_MODE_GUARD and rewritten
+    if refused:
+        assert result == (0, False)
+    else:
+        assert result is inner
+    assert [c[0] for c in fakes.CALLS].count("get_num_new_matched_tokens") == 1

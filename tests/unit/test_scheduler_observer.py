@@ -424,3 +424,73 @@ def test_decode_hands_back_a_digest_and_prefill_checks_the_prompt_against_it() -
     plain.on_finished(old_handle, [[1]], (False, None))
     a = spans_by_name(exporter)["kv_request prefill"].attributes
     assert a[names.CONTINUITY_DIGEST] is False and names.CONTINUITY_OFFERED not in a
+
+
+def _handle_for(tokens: list[int], prompt: int) -> dict[str, Any]:
+    """A decode handle for KV computed over ``tokens``, with the digest otelkv's decode node writes."""
+    from otelkv.engine import continuity
+
+    return {
+        **HANDLE,
+        "remote_num_tokens": len(tokens),
+        names.XARG_CONTINUITY: continuity.digest(tokens, len(tokens), prompt),
+    }
+
+
+def test_guard_mode_refuses_a_handle_whose_kv_belongs_to_other_tokens() -> None:
+    """Guard mode's verdict, and the span and counters of a refused handle: vLLM recomputes
+    (the connector matched 0), the reason says why, nothing counts as an instrumentation error."""
+    observer, exporter = make_observer(continuity=names.CONTINUITY_MODE_GUARD)
+    assert observer.guarding
+    held = list(range(100, 244))
+    req = make_request(_handle_for(held, 128), prompt=180)
+    req.prompt_token_ids = held[:40] + list(range(900, 1040))  # rewritten from token 40 on
+    observer.on_new_request(req)
+    assert observer.refuses(req) is True
+    observer.on_matched(req, 0, (0, False))
+    observer.on_alloc(req, 0)
+    observer.on_finished(req, [[1]], (False, None))
+    a = spans_by_name(exporter)["kv_request prefill"].attributes
+    assert (a[names.PULL_DECISION], a[names.PULL_REASON]) == (
+        names.DECISION_RECOMPUTE,
+        names.REASON_CONTINUITY_MISMATCH,
+    )
+    assert a[names.TOKENS_PULLED] == 0 and a[names.TOKENS_REMOTE_REUSABLE] == 144
+    assert (a[names.CONTINUITY_FIRST_MISMATCH], a[names.CONTINUITY_MATCHING]) == (32, 32)
+    payload = observer.take_payload()
+    assert payload is not None
+    m = exposed(payload)
+    assert m.value("otelkv_pull_decisions_total", decision="recompute", reason="continuity_mismatch") == 1
+    assert m.value("otelkv_continuity_tokens_total", outcome="refused") == 144
+    assert m.value("otelkv_continuity_tokens_total", outcome="mismatch") is None
+    assert dict(observer.errors.total) == {}
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["matching", "no digest", "decode role", "unknown request"],
+)
+def test_guard_mode_refuses_only_a_proven_mismatch(case: str) -> None:
+    """A handle that matches, one without a digest (an engine without otelkv wrote it), a
+    decode-role request and a request otelkv never saw are all loaded as vLLM would."""
+    held = list(range(100, 244))
+    observer, _ = make_observer(continuity=names.CONTINUITY_MODE_GUARD)
+    handle = _handle_for(held, 128) if case != "no digest" else dict(HANDLE)
+    if case == "decode role":
+        handle = {"do_remote_prefill": True}
+    req = make_request(handle, prompt=180)
+    req.prompt_token_ids = [*held, *range(900, 936)]  # extends the held tokens
+    if case == "no digest":
+        req.prompt_token_ids = list(range(180))
+    if case != "unknown request":
+        observer.on_new_request(req)
+    assert observer.refuses(req) is False
+    assert dict(observer.errors.total) == {}
+
+
+def test_observe_mode_is_the_default_and_says_so_on_the_resource() -> None:
+    observer, _ = make_observer()
+    assert not observer.guarding
+    settings = EngineSettings(continuity=names.CONTINUITY_MODE_GUARD)
+    resource = engine_resource_attributes(settings, "NixlPullConnector")
+    assert resource[names.CONTINUITY_VERIFY] == names.CONTINUITY_MODE_GUARD

@@ -64,6 +64,16 @@ def test_fate_follows_vllm_order_and_boundaries() -> None:
     assert fate(h(0, None, 500, 1), s) == NO_NEXT_TURN
 
 
+def test_a_handle_guard_refused_never_pulls_whatever_the_setting() -> None:
+    """Guard mode refuses a handle whose KV belongs to other tokens after vLLM's threshold test
+    and before the read: no TTL or threshold turns it into a pull."""
+    refused = names.REASON_CONTINUITY_MISMATCH
+    for setting in (Setting(30.0, 64, 24.0), Setting(600.0, 1, None)):
+        assert fate(h(0, 3, 500, 1, refused), setting) == refused
+    assert fate(h(0, 3, 20, 1, refused), Setting(30.0, 64, 24.0)) == names.REASON_BELOW_THRESHOLD
+    assert fate(h(0, 30.0, 500, 1, refused), Setting(30.0, 64, 24.0)) == names.REASON_NO_DECODE_HANDLE
+
+
 def test_replay_by_hand() -> None:
     r = replay(HANDOFFS, Setting(30.0, 64, 24.0), COSTS)
     assert r.handoffs == 3 and r.pulls == 1 and r.failed == 0

@@ -162,6 +162,9 @@ def fate(h: Handoff, s: Setting) -> str:
         return names.REASON_NOTHING_BEYOND_LOCAL_HIT
     if s.threshold > 0 and h.reusable_tokens < s.threshold:
         return names.REASON_BELOW_THRESHOLD
+    if h.recorded_reason == names.REASON_CONTINUITY_MISMATCH:
+        # Guard mode refused the handle: its KV belongs to other tokens, whatever the setting.
+        return names.REASON_CONTINUITY_MISMATCH
     if h.gap_s + SAFETY_MARGIN_S >= s.ttl_s:
         return names.REASON_DECLINED_EXPIRED
     return names.REASON_PULLED
