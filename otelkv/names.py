@@ -296,6 +296,46 @@ TURN_TOTAL_SECONDS: Final = "otelkv.turn.total_s"
 TURN_TTFT_SOURCE: Final = "otelkv.turn.ttft_source"
 """How input processing was bounded (:data:`TTFT_SOURCES`)."""
 
+# The sidecar's view of continuity (``otelkv/sidecar/continuity.py``): each chat request's
+# messages against its conversation's previous request and the answer the sidecar relayed,
+# and a conversation continued under a new id. Only digests are kept, never text.
+TURN_PREVIOUS_MESSAGES: Final = "otelkv.turn.previous_messages"
+"""Messages of the conversation's previous request this request was compared with (absent:
+nothing to compare with, e.g. the first turn or a history too long to compare)."""
+TURN_HISTORY_REWRITTEN_AT: Final = "otelkv.turn.history_rewritten_at"
+"""0-based index of the first of the previous request's messages that this request changed
+or dropped (absent: they all came back unchanged, or the id was reused)."""
+TURN_PREVIOUS_ANSWER: Final = "otelkv.turn.previous_answer"
+"""The message in the previous answer's position against that answer
+(:data:`PREVIOUS_ANSWER_STATES`; absent: not compared)."""
+CONVERSATION_ID_REUSED: Final = "otelkv.conversation.id_reused"
+"""The request shares no message with its id's previous request beyond an identical leading
+system message: one id, another conversation."""
+CONVERSATION_RESUMED_FROM: Final = "otelkv.conversation.resumed_from"
+"""First request of this id: the conversation id of a recent turn whose messages and answer
+this request opens with (a conversation continued under a new id)."""
+CONVERSATION_RESUMED_FROM_TRACE_ID: Final = "otelkv.conversation.resumed_from_trace_id"
+CONVERSATION_RESUMED_GAP_SECONDS: Final = "otelkv.conversation.resumed_gap_s"
+"""From that turn's last byte to this request's arrival."""
+CONVERSATION_RESUMED_TOKENS: Final = "otelkv.conversation.resumed_tokens"
+"""That turn's prompt plus completion tokens (its usage): the KV its decode node held."""
+CONVERSATION_RESUMED_MESSAGES: Final = "otelkv.conversation.resumed_messages"
+"""Messages of this request that repeat that turn (its request's messages and its answer)."""
+
+PREVIOUS_ANSWER_VERBATIM: Final = "verbatim"
+PREVIOUS_ANSWER_CONTENT_DIFFERS: Final = "content_differs"
+PREVIOUS_ANSWER_TOOL_CALLS_DIFFER: Final = "tool_calls_differ"
+PREVIOUS_ANSWER_BOTH_DIFFER: Final = "content_and_tool_calls_differ"
+PREVIOUS_ANSWER_DROPPED: Final = "dropped"
+"""The message in the answer's position is not an assistant message."""
+PREVIOUS_ANSWER_STATES: Final = (
+    PREVIOUS_ANSWER_VERBATIM,
+    PREVIOUS_ANSWER_CONTENT_DIFFERS,
+    PREVIOUS_ANSWER_TOOL_CALLS_DIFFER,
+    PREVIOUS_ANSWER_BOTH_DIFFER,
+    PREVIOUS_ANSWER_DROPPED,
+)
+
 # --------------------------------------------------------------------------------------
 # Resource attributes
 # --------------------------------------------------------------------------------------
@@ -502,6 +542,10 @@ DIAG_KV_READ_STARTED_LATE: Final = "kv_read_started_late"
 DIAG_QUEUEING: Final = "queueing"
 DIAG_TOOL_WAIT_DOMINATES: Final = "tool_wait_dominates"
 DIAG_APP_WORK_DOMINATES: Final = "app_work_dominates"
+DIAG_ID_CHANGED_ON_RESUME: Final = "conversation_id_changed_on_resume"
+DIAG_ID_REUSED: Final = "conversation_id_reused"
+DIAG_HISTORY_REWRITTEN: Final = "history_rewritten"
+DIAG_ANSWER_RE_RENDERED: Final = "answer_re_rendered"
 
 # ``otelkv doctor``: the prerequisites of reverse reuse, each checked from traffic, the
 # engines' resource attributes and their /metrics.
@@ -668,6 +712,9 @@ METRIC_SIDECAR_STORE_QUEUE: Final = "otelkv_sidecar_store_queue_spans"
 METRIC_SIDECAR_FORWARD_DROPPED: Final = "otelkv_sidecar_forward_dropped"
 """Counter, label reason (queue_full/export_failed/shutdown): turn spans that did not reach
 the collector named by ``OTEL_EXPORTER_OTLP_*``."""
+METRIC_SIDECAR_CONTINUITY_ERRORS: Final = "otelkv_sidecar_continuity_errors"
+"""Counter: errors inside the sidecar's history comparison (the request went on untouched,
+without the comparison)."""
 
 TURN_SECONDS_BUCKETS: Final = (
     0.01,
@@ -897,6 +944,12 @@ SIDECAR_METRICS: Final = (
         "Turn spans that did not reach the collector (OTEL_EXPORTER_OTLP_*).",
     ),
     Metric(METRIC_SIDECAR_STORE_QUEUE, GAUGE, (), "Spans waiting for the store writer."),
+    Metric(
+        METRIC_SIDECAR_CONTINUITY_ERRORS,
+        COUNTER,
+        (),
+        "Errors inside the sidecar's history comparison (requests went on without it).",
+    ),
 )
 """The sidecar's own ``/metrics``."""
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from otelkv import names
-from otelkv.analysis.model import SOURCE_SIDECAR, Leg, Retention, Turn
+from otelkv.analysis.model import SOURCE_SIDECAR, Continuity, History, Leg, Retention, Turn
 
 QUEUEING_MIN_S = 0.25
 """Unexplained input processing below this is noise (HTTP, tokenization), not queueing."""
@@ -69,6 +69,9 @@ class Registered:
     turn that failed is not explained by the tool wait before it. Otherwise the diagnosis
     is ranked by its cost in seconds."""
     check: Check
+    explains: str | None = None
+    """The id of a diagnosis whose cause this one names (which message, which id): when both
+    apply to a turn, this one ranks right after it, whatever its own cost."""
 
 
 REGISTRY: dict[str, Registered] = {}
@@ -76,13 +79,15 @@ REGISTRY: dict[str, Registered] = {}
 ``docs/diagnoses.md`` documents exactly these ids (a unit test holds it to that)."""
 
 
-def register(diag_id: str, title: str, *, failure: bool = False) -> Callable[[Check], Check]:
+def register(
+    diag_id: str, title: str, *, failure: bool = False, explains: str | None = None
+) -> Callable[[Check], Check]:
     """Add a check to the catalogue under ``diag_id`` (each id once)."""
 
     def add(check: Check) -> Check:
         if diag_id in REGISTRY:
             raise ValueError(f"diagnosis {diag_id!r} registered twice")
-        REGISTRY[diag_id] = Registered(diag_id, title, failure, check)
+        REGISTRY[diag_id] = Registered(diag_id, title, failure, check, explains)
         return check
 
     return add
@@ -723,6 +728,349 @@ def check_no_conversation_id(turn: Turn, ctx: Context) -> Diagnosis | None:
     )
 
 
+# ------------------------------------------------------------------ history and identity
+#
+# The sidecar compares each chat request's messages with its conversation's previous request
+# and answer (``Turn.history``) and recognises a conversation continued under a new id
+# (``Turn.resumed_from``); the prefill engine checks the tokens against the decode handle's
+# digest (``Leg.continuity``). One fact, one headline: when the prefill node actually loaded
+# KV computed for other tokens, ``kv_reused_for_different_tokens`` (a failure) is it, and the
+# diagnoses below say only what it does not (which message, which id), at no cost of their own.
+# When the engine checked every token it was offered and found them equal, a difference the
+# sidecar saw did not change the tokens (e.g. whitespace a tokenizer drops): nothing fires.
+
+
+@dataclass(frozen=True)
+class _Divergence:
+    """The continuity evidence of one turn, read the same way by each check below."""
+
+    history: History | None
+    engine: Continuity | None
+    """The prefill leg's digest check when it found a mismatch (else None)."""
+    engine_clear: bool
+    """The engine checked the handle's digest and every offered token matched."""
+    loaded_other: Diagnosis | None
+    """``kv_reused_for_different_tokens`` when it applies: other tokens' KV was loaded."""
+    pulled: int
+    refused: bool
+    """Guard mode refused the handle (reason ``continuity_mismatch``): nothing wrong was loaded."""
+
+    @classmethod
+    def of(cls, turn: Turn, ctx: Context) -> _Divergence:
+        leg = turn.prefill
+        cont = leg.continuity if leg is not None else None
+        mismatch = cont if cont is not None and cont.first_mismatch is not None else None
+        clear = (
+            cont is not None
+            and cont.digest
+            and cont.first_mismatch is None
+            and bool(cont.matching)
+            and (cont.offered or 0) <= (cont.matching or 0)
+        )
+        return cls(
+            history=turn.history,
+            engine=mismatch,
+            engine_clear=clear,
+            loaded_other=check_kv_for_other_tokens(turn, ctx),
+            pulled=(leg.pulled or 0) if leg is not None else 0,
+            refused=leg is not None and leg.reason == names.REASON_CONTINUITY_MISMATCH,
+        )
+
+    def refused_note(self) -> str:
+        return (
+            "guard mode refused the decode handle and the prefill node recomputed; " if self.refused else ""
+        )
+
+    def not_reusable(self) -> int | None:
+        """Tokens of the decode node's KV from the first mismatch on (engine evidence only)."""
+        e = self.engine
+        if e is None or e.offered is None or e.first_mismatch is None:
+            return None
+        return max(e.offered - max(e.first_mismatch, e.matching or 0), 0)
+
+    def cost(self, turn: Turn, ctx: Context) -> float:
+        """Recomputing what could not be reused; nothing when it was loaded anyway (the failure
+        diagnosis carries that)."""
+        if self.loaded_other is not None:
+            return 0.0
+        return recompute_s(turn, self.not_reusable() or 0, ctx)
+
+    def evidence(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "first_mismatch_token": e.first_mismatch if e else None,
+            "matching_tokens": e.matching if e else None,
+            "offered_tokens": e.offered if e else None,
+            "tokens_not_reusable": self.not_reusable(),
+            "pulled_tokens": self.pulled,
+            "kv_loaded_for_other_tokens": self.loaded_other is not None,
+            "guard_refused": self.refused,
+        }
+
+    def unchecked_pull(self, what: str = "the changed message") -> str:
+        """A sentence for a pull no digest checked (engines without otelkv's digest)."""
+        if self.engine is not None or self.loaded_other is not None or not self.pulled:
+            return ""
+        return (
+            f" The prefill node pulled {self.pulled} tokens of the decode node's KV without a continuity "
+            "digest to check them (the decode node runs no otelkv, or the router dropped the handle's "
+            f"otelkv_continuity): if they reach {what}, this answer was generated over KV of the old text."
+        )
+
+
+@register(names.DIAG_ID_CHANGED_ON_RESUME, "Conversation resumed under a new id")
+def check_id_changed_on_resume(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The first request of this id opens with a recent turn of another conversation (its
+    messages and answer): the router keys the decode handle by id, so it sent none."""
+    resumed = turn.resumed_from
+    if resumed is None:
+        return None
+    ttl = turn.decoder_ttl_s()
+    left = ttl - resumed.gap_s if ttl is not None else None
+    leg = turn.prefill
+    held = left is None or left > 0
+    tokens = 0  # what the decode node held beyond the prefill node's own prefix-cache hit
+    if held and resumed.tokens and leg is not None and not leg.pulled:
+        local = leg.local_cache or 0
+        tokens = max(min(resumed.tokens, leg.prompt_tokens or resumed.tokens) - local, 0)
+        if leg.computed is not None:
+            tokens = min(tokens, leg.computed)
+    evidence = {
+        "conversation_id": turn.conversation_id,
+        "previous_conversation_id": resumed.conversation_id,
+        "previous_trace_id": resumed.trace_id,
+        "gap_s": _r(resumed.gap_s),
+        "decoder_kv_blocks_ttl_s": _r(ttl),
+        "ttl_left_s": _r(left),
+        "previous_tokens": resumed.tokens,
+        "repeated_messages": resumed.messages,
+        "pull_reason": leg.reason if leg else None,
+        "local_cache_tokens": leg.local_cache if leg else None,
+        "tokens_recomputed": tokens,
+    }
+    held_tokens = f"{resumed.tokens} tokens" if resumed.tokens is not None else "the KV"
+    if left is not None and left <= 0:
+        then = (
+            f"By then the decode node's KV had expired anyway (decoder_kv_blocks_ttl={ttl:g}s): the new "
+            "id cost nothing this time."
+        )
+    else:
+        still = f" for another {left:.1f}s" if left is not None else ""
+        then = (
+            f"The decode node still held that turn's {held_tokens}{still}, but the router keys its handle "
+            f"by conversation id and sent none: prefill recomputed the {tokens} of them its own prefix "
+            "cache did not hold."
+        )
+    return Diagnosis(
+        names.DIAG_ID_CHANGED_ON_RESUME,
+        title(names.DIAG_ID_CHANGED_ON_RESUME),
+        f"This request continues conversation {resumed.conversation_id!r} under the new id "
+        f"{turn.conversation_id!r}: it opens with the {resumed.messages} messages of that conversation's "
+        f"turn (trace {resumed.trace_id}) and its answer, {resumed.gap_s:.1f}s after that turn ended. {then}",
+        evidence,
+        "Keep the conversation id when the agent resumes a conversation (after a restart, a reconnect, a "
+        "hand-off to another worker): send the same X-Conversation-Id / X-Session-ID. If the application "
+        "must mint a new id, have the router look the decode handle up under the previous id for the "
+        "new id's first request (the sidecar names it on the turn span: otelkv.conversation.resumed_from).",
+        recompute_s(turn, tokens, ctx),
+    )
+
+
+@register(
+    names.DIAG_ID_REUSED,
+    "Conversation id reused for another conversation",
+    explains=names.DIAG_KV_FOR_OTHER_TOKENS,
+)
+def check_id_reused(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The request shares no message with its id's previous request beyond an identical leading
+    system message: a different conversation under the same id. The router hands it the other
+    conversation's decode handle."""
+    history = turn.history
+    if history is None or not history.id_reused:
+        return None
+    div = _Divergence.of(turn, ctx)
+    evidence = {
+        "conversation_id": turn.conversation_id,
+        "previous_trace_id": turn.previous_trace_id or None,
+        "previous_messages": history.previous_messages,
+        **div.evidence(),
+    }
+    if div.loaded_other is not None:
+        then = (
+            f"The router handed it that conversation's decode handle and the prefill node loaded its KV "
+            f"({div.pulled} tokens; see {names.DIAG_KV_FOR_OTHER_TOKENS})."
+        )
+    elif div.engine is not None:
+        then = (
+            "The router handed it that conversation's decode handle; the prefill node's digest check "
+            f"shows the KV is another text's from token {div.engine.first_mismatch} on."
+        )
+    else:
+        then = (
+            "A router that keys decode handles by conversation id hands such a request the other "
+            "conversation's KV." + div.unchecked_pull()
+        )
+    return Diagnosis(
+        names.DIAG_ID_REUSED,
+        title(names.DIAG_ID_REUSED),
+        f"The conversation id {turn.conversation_id!r} was reused for another conversation: this request "
+        f"shares no message with the id's previous request ({history.previous_messages} messages) beyond "
+        f"an identical leading system message. {then}",
+        evidence,
+        "Mint a new conversation id for every new conversation (unique per conversation, not per user, "
+        "session or worker), and keep it for that conversation's later turns.",
+        div.cost(turn, ctx),
+    )
+
+
+@register(
+    names.DIAG_HISTORY_REWRITTEN,
+    "History rewritten under the same conversation id",
+    explains=names.DIAG_KV_FOR_OTHER_TOKENS,
+)
+def check_history_rewritten(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """Earlier messages changed under the same id (compaction, an edited or dropped message, a
+    trimmed window): the decode node's KV from that point on belongs to the old text."""
+    div = _Divergence.of(turn, ctx)
+    history = div.history
+    if history is not None and history.id_reused:
+        return None  # conversation_id_reused says it
+    sidecar_k = history.rewritten_at if history is not None else None
+    engine_history = div.engine is not None and div.engine.mismatch_in == names.CONTINUITY_IN_HISTORY
+    if not engine_history and (sidecar_k is None or div.engine_clear):
+        return None
+    evidence = {
+        "message_index": sidecar_k,
+        "previous_messages": history.previous_messages if history is not None else None,
+        **div.evidence(),
+    }
+    if sidecar_k is not None and history is not None:
+        where = (
+            f"Message {sidecar_k} of the {history.previous_messages} the previous request sent came back "
+            "changed or not at all"
+        )
+    elif history is not None:
+        where = (
+            "The previous request's messages all came back unchanged, yet their tokens differ: the same "
+            "messages were rendered into other tokens (a chat template or tokenizer that changed)"
+        )
+    else:
+        where = "The earlier history changed"
+    e = div.engine
+    if div.loaded_other is not None:
+        then = (
+            f"; the prefill node loaded the decode node's KV for it anyway ({names.DIAG_KV_FOR_OTHER_TOKENS} "
+            "above: the failure is there)."
+        )
+    elif e is not None:
+        then = (
+            f"; {div.refused_note()}from token {e.first_mismatch} on, {div.not_reusable()} tokens of the "
+            "decode node's KV belong to the old text and could not be reused."
+        )
+    else:
+        then = "." + div.unchecked_pull()
+    return Diagnosis(
+        names.DIAG_HISTORY_REWRITTEN,
+        title(names.DIAG_HISTORY_REWRITTEN),
+        f"{where} under conversation id {turn.conversation_id!r}{then}",
+        evidence,
+        "If the agent rewrites its history on purpose (compaction, a trimmed window, an edited message), "
+        "give the rewritten conversation a new conversation id: the router then sends no decode handle, "
+        "and the unchanged prefix still hits the prefill node's prefix cache. If it should not change, "
+        "send earlier messages back exactly as before (same text, same order).",
+        div.cost(turn, ctx),
+    )
+
+
+_ANSWER_PART = {
+    names.PREVIOUS_ANSWER_CONTENT_DIFFERS: "its text",
+    names.PREVIOUS_ANSWER_TOOL_CALLS_DIFFER: "its tool calls",
+    names.PREVIOUS_ANSWER_BOTH_DIFFER: "its text and its tool calls",
+    names.PREVIOUS_ANSWER_DROPPED: "all of it (no assistant message there)",
+}
+
+
+@register(
+    names.DIAG_ANSWER_RE_RENDERED,
+    "Previous answer sent back changed",
+    explains=names.DIAG_KV_FOR_OTHER_TOKENS,
+)
+def check_answer_re_rendered(turn: Turn, ctx: Context) -> Diagnosis | None:
+    """The previous answer came back in this prompt other than the model produced it (edited,
+    trimmed, re-serialized tool calls, dropped) or as other tokens: the decode node's KV for
+    the answer belongs to the answer as generated."""
+    div = _Divergence.of(turn, ctx)
+    history = div.history
+    state = history.previous_answer if history is not None else None
+    sidecar_differs = state in _ANSWER_PART
+    engine_answer = div.engine is not None and div.engine.mismatch_in == names.CONTINUITY_IN_ANSWER
+    if not engine_answer and (not sidecar_differs or div.engine_clear):
+        return None
+    e = div.engine
+    leg = turn.prefill
+    wrong = None
+    if engine_answer and e is not None and e.first_mismatch is not None and leg is not None and leg.pulled:
+        local = leg.local_cache or 0
+        wrong = max(local + leg.pulled - max(e.first_mismatch, local), 0)
+    share = wrong / div.pulled if wrong is not None and div.pulled else None
+    prev = turn.previous
+    evidence = {
+        "answer_message_index": history.previous_messages if history is not None else None,
+        "previous_answer": state,
+        "previous_answer_tokens": prev.output_tokens if prev is not None else None,
+        "mismatched_pulled_tokens": wrong,
+        "share_of_pulled": _r(share),
+        **div.evidence(),
+    }
+    if sidecar_differs and history is not None and state is not None:
+        head = (
+            f"The previous answer came back in message {history.previous_messages} other than the sidecar "
+            f"relayed it: {_ANSWER_PART[state]} differs"
+        )
+    elif state == names.PREVIOUS_ANSWER_VERBATIM:
+        head = (
+            "The previous answer came back word for word, yet its tokens differ from those the model "
+            "generated (turning the generated tokens into text and back does not give them again, e.g. "
+            "special tokens left out of the text)"
+        )
+    else:
+        head = "The previous answer came back in this prompt as other tokens"
+    if share is not None:
+        tail = (
+            f"; {wrong} of the {div.pulled} tokens the prefill node pulled ({share:.0%}) are KV of the "
+            f"answer as generated, not as sent back (see {names.DIAG_KV_FOR_OTHER_TOKENS})."
+        )
+    elif e is not None:
+        tail = (
+            f"; {div.refused_note()}from token {e.first_mismatch} on the decode node's KV could not be "
+            "reused."
+        )
+    else:
+        tail = "." + div.unchecked_pull("the answer")
+    if state == names.PREVIOUS_ANSWER_VERBATIM and not sidecar_differs:
+        fix = (
+            "Nothing to change in the agent: it sent the answer back unchanged. The model's tokens do not "
+            "survive vLLM's detokenize/re-tokenize round trip (special tokens skipped in the text, merges "
+            "that tokenize differently); only the answer's KV is affected, and it is correct only if the "
+            "prefill node recomputes it."
+        )
+    else:
+        fix = (
+            "Send the previous answer back exactly as the model returned it: the same text (no trimming, "
+            "reformatting or summarizing) and the same tool calls (name and arguments as returned; do not "
+            "add, drop or rewrite them). If the agent must change it, recomputing is the price: nothing "
+            "is wrong with the fleet."
+        )
+    return Diagnosis(
+        names.DIAG_ANSWER_RE_RENDERED,
+        title(names.DIAG_ANSWER_RE_RENDERED),
+        f"{head}{tail}",
+        evidence,
+        fix,
+        div.cost(turn, ctx),
+    )
+
+
 @register(names.DIAG_BELOW_THRESHOLD, "Reusable KV below the recompute threshold")
 def check_below_threshold(turn: Turn, ctx: Context) -> Diagnosis | None:
     leg = turn.prefill
@@ -929,7 +1277,8 @@ def check_app_work(turn: Turn, ctx: Context) -> Diagnosis | None:
 def diagnose(turn: Turn, ctx: Context | None = None) -> list[Diagnosis]:
     """Every diagnosis that applies to the turn: failures first, then costliest first.
 
-    Ties keep catalogue order (:data:`REGISTRY`).
+    Ties keep catalogue order (:data:`REGISTRY`). A diagnosis that names the cause of another
+    one found (:attr:`Registered.explains`) follows it directly.
     """
     ctx = ctx or Context()
     order = {diag_id: i for i, diag_id in enumerate(REGISTRY)}
@@ -939,4 +1288,12 @@ def diagnose(turn: Turn, ctx: Context | None = None) -> list[Diagnosis]:
         if d is not None:  # the registry is the authority on id and title
             found.append(replace(d, id=entry.id, title=entry.title))
     found.sort(key=lambda d: (not REGISTRY[d.id].failure, -d.cost_s, order[d.id]))
-    return found
+    present = {d.id for d in found}
+    causes = [d for d in found if REGISTRY[d.id].explains in present]
+    if not causes:
+        return found
+    ranked = [d for d in found if d not in causes]
+    for cause in reversed(causes):  # each right after what it explains, in rank order
+        at = next(i for i, d in enumerate(ranked) if d.id == REGISTRY[cause.id].explains)
+        ranked.insert(at + 1, cause)
+    return ranked

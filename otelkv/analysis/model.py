@@ -106,6 +106,37 @@ class Continuity:
     mismatch_in: str | None = None
 
 
+@dataclass(frozen=True)
+class History:
+    """The sidecar's comparison of a chat request's messages with its conversation's previous
+    request and the answer the sidecar relayed (``otelkv.turn.previous_messages`` and the
+    attributes beside it; no text, digests only)."""
+
+    previous_messages: int
+    """Messages of the previous request compared with."""
+    rewritten_at: int | None = None
+    """The first of them this request changed or dropped (None: all came back unchanged)."""
+    id_reused: bool = False
+    """Nothing shared beyond an identical leading system message: one id, another conversation."""
+    previous_answer: str | None = None
+    """:data:`otelkv.names.PREVIOUS_ANSWER_STATES` (None: not compared)."""
+
+
+@dataclass(frozen=True)
+class ResumedFrom:
+    """A conversation's first request that opens with a recent turn of another conversation
+    (its messages and answer): the conversation continued under a new id."""
+
+    conversation_id: str
+    trace_id: str
+    gap_s: float
+    """That turn's last byte to this request's arrival."""
+    tokens: int | None
+    """That turn's prompt plus completion tokens: the KV its decode node held."""
+    messages: int | None
+    """Messages of this request that repeat that turn (its request's and the answer)."""
+
+
 @dataclass
 class Leg:
     """What one engine recorded for the turn's request (a ``kv_request {role}`` span)."""
@@ -221,6 +252,10 @@ class Turn:
     """The ``id`` of the response the client got (``gen_ai.response.id``)."""
     join: EngineJoin | None = None
     """How the engine requests were tied to this turn (None: no engine request is)."""
+    history: History | None = None
+    """The sidecar's comparison with the conversation's previous request (None: not compared)."""
+    resumed_from: ResumedFrom | None = None
+    """The recent turn of another conversation this first request continues (None: none)."""
 
     @property
     def request_s(self) -> float:
@@ -459,6 +494,33 @@ def _fill_from_turn_span(turn: Turn, span: SpanRecord) -> None:
     turn.tool_results = opt_int(a, names.TURN_TOOL_RESULTS)
     turn.previous_trace_id = attr_str(a, names.TURN_PREVIOUS_TRACE_ID)
     turn.gap_s = max(attr_float(a, names.TURN_GAP_SECONDS), 0.0)
+    turn.history = _history(a)
+    turn.resumed_from = _resumed_from(a)
+
+
+def _history(a: dict[str, Any]) -> History | None:
+    previous = opt_int(a, names.TURN_PREVIOUS_MESSAGES)
+    if previous is None:
+        return None
+    return History(
+        previous_messages=previous,
+        rewritten_at=opt_int(a, names.TURN_HISTORY_REWRITTEN_AT),
+        id_reused=opt_bool(a, names.CONVERSATION_ID_REUSED) is True,
+        previous_answer=opt_str(a, names.TURN_PREVIOUS_ANSWER),
+    )
+
+
+def _resumed_from(a: dict[str, Any]) -> ResumedFrom | None:
+    conversation_id = opt_str(a, names.CONVERSATION_RESUMED_FROM)
+    if not conversation_id:
+        return None
+    return ResumedFrom(
+        conversation_id=conversation_id,
+        trace_id=attr_str(a, names.CONVERSATION_RESUMED_FROM_TRACE_ID),
+        gap_s=max(attr_float(a, names.CONVERSATION_RESUMED_GAP_SECONDS), 0.0),
+        tokens=opt_int(a, names.CONVERSATION_RESUMED_TOKENS),
+        messages=opt_int(a, names.CONVERSATION_RESUMED_MESSAGES),
+    )
 
 
 def _fill_from_engines(turn: Turn, spans: Sequence[SpanRecord]) -> None:

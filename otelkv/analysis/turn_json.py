@@ -32,7 +32,16 @@ from typing import Any
 
 from otelkv import names
 from otelkv.analysis.diagnose import REGISTRY, Diagnosis, pull_seconds
-from otelkv.analysis.model import EngineConfig, Leg, Retention, RouterInfo, Transfer, Turn
+from otelkv.analysis.model import (
+    EngineConfig,
+    History,
+    Leg,
+    ResumedFrom,
+    Retention,
+    RouterInfo,
+    Transfer,
+    Turn,
+)
 
 SCHEMA_VERSION = 1
 SCHEMA_FILE = "turn.schema.json"
@@ -210,6 +219,31 @@ def _router(router: RouterInfo | None) -> dict[str, Any] | None:
     }
 
 
+def history_object(history: History | None) -> dict[str, Any] | None:
+    """The sidecar's comparison of the request's messages with the conversation's previous request."""
+    if history is None:
+        return None
+    return {
+        "previous_messages": history.previous_messages,
+        "rewritten_at": history.rewritten_at,
+        "id_reused": history.id_reused,
+        "previous_answer": history.previous_answer,
+    }
+
+
+def resumed_from_object(resumed: ResumedFrom | None) -> dict[str, Any] | None:
+    """The recent turn of another conversation this request continues under a new id."""
+    if resumed is None:
+        return None
+    return {
+        "conversation_id": resumed.conversation_id,
+        "trace_id": resumed.trace_id or None,
+        "gap_s": r6(resumed.gap_s),
+        "tokens": resumed.tokens,
+        "messages": resumed.messages,
+    }
+
+
 def turn_object(
     turn: Turn, diagnoses: list[Diagnosis] | tuple[Diagnosis, ...] = (), *, offset_s: float | None = None
 ) -> dict[str, Any]:
@@ -259,6 +293,8 @@ def turn_object(
         "engine_join": {"method": turn.join.method, "evidence": list(turn.join.evidence)}
         if turn.join
         else None,
+        "history": history_object(turn.history),
+        "resumed_from": resumed_from_object(turn.resumed_from),
         "router": _router(turn.router),
         "prefill": leg_object(turn.prefill),
         "decode": leg_object(turn.decode),

@@ -196,6 +196,8 @@ class Sidecar:
             self.metrics.requests_refused.inc(counters["requests_refused"])
         if counters.get("turns_dropped"):
             self.metrics.dropped.labels("proxy_channel_full").inc(counters["turns_dropped"])
+        if counters.get("continuity_errors"):
+            self.metrics.continuity_errors.inc(counters["continuity_errors"])
 
     def _admin_app(self) -> web.Application:
         app = web.Application(

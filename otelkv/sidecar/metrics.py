@@ -50,6 +50,7 @@ class SidecarMetrics:
         self.upstream_errors = m[names.METRIC_SIDECAR_UPSTREAM_ERRORS]
         self.forward_dropped = m[names.METRIC_SIDECAR_FORWARD_DROPPED]
         self.store_queue = m[names.METRIC_SIDECAR_STORE_QUEUE]
+        self.continuity_errors = m[names.METRIC_SIDECAR_CONTINUITY_ERRORS]
         self._models: set[str] = set()
 
     def model_label(self, model: str) -> str:

@@ -70,6 +70,8 @@ class Worker:
             inject_body_conversation_id=args.inject_body_conversation_id,
             inject_body_context=args.inject_body_context,
             id_policy=IdPolicy(args.conversation_id_max_chars, args.hash_conversation_ids),
+            count=self.count,
+            defer=self.loop.call_soon,
         )
         self.relay: Relay | None = None
 
@@ -112,6 +114,11 @@ class Worker:
             self._flush()
         else:
             self._schedule_flush()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter the main process turns into a metric (sent with the next batch)."""
+        self.counters[name] = self.counters.get(name, 0) + n
+        self._schedule_flush()
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:

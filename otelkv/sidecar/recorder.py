@@ -15,12 +15,35 @@ from typing import Any
 
 from otelkv import __version__, names
 from otelkv.analysis.phases import Phases, split_gap, turn_phases
+from otelkv.sidecar.continuity import HistoryFacts
 from otelkv.sidecar.metrics import SidecarMetrics
 from otelkv.sidecar.tool_spans import ToolSpanIndex
 from otelkv.sidecar.turn_watch import TurnRecord
 from otelkv.spans import SpanRecord
 
 logger = logging.getLogger("otelkv.sidecar")
+
+
+def history_attributes(history: HistoryFacts) -> dict[str, Any]:
+    """The turn span's attributes for the sidecar's comparison of the request's messages with
+    the conversation's previous request and answer, or with a recent turn it continues."""
+    out: dict[str, Any] = {}
+    if history.previous_messages is not None:
+        out[names.TURN_PREVIOUS_MESSAGES] = history.previous_messages
+        out[names.CONVERSATION_ID_REUSED] = history.id_reused
+    if history.rewritten_at is not None:
+        out[names.TURN_HISTORY_REWRITTEN_AT] = history.rewritten_at
+    if history.previous_answer is not None:
+        out[names.TURN_PREVIOUS_ANSWER] = history.previous_answer
+    resumed = history.resumed
+    if resumed is not None:
+        out[names.CONVERSATION_RESUMED_FROM] = resumed.conversation_id
+        out[names.CONVERSATION_RESUMED_FROM_TRACE_ID] = resumed.trace_id
+        out[names.CONVERSATION_RESUMED_GAP_SECONDS] = resumed.gap_s
+        out[names.CONVERSATION_RESUMED_MESSAGES] = resumed.messages
+        if resumed.tokens is not None:
+            out[names.CONVERSATION_RESUMED_TOKENS] = resumed.tokens
+    return out
 
 
 class TurnRecorder:
@@ -125,6 +148,8 @@ class TurnRecorder:
                 attributes[names.TURN_TTFT_SECONDS] = stream_ttft
             if facts.last_token_ns is not None:
                 attributes[names.TURN_LAST_TOKEN_SECONDS] = (facts.last_token_ns - rec.arrival_ns) / 1e9
+        if rec.history is not None:
+            attributes.update(history_attributes(rec.history))
         status_code, status_message = "Unset", ""
         if not ok:
             status_code = "Error"

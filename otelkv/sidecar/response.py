@@ -4,15 +4,22 @@ The proxy hands every chunk to the client first and to a :class:`ResponseObserve
 second; the observer only reads. It learns the first-token time (streaming), usage
 (including cached prompt tokens when reported), finish reasons, whether the model asked
 for tools (and their call ids), and whether the response carried ``kv_transfer_params``.
-It never keeps completion text. Anything it cannot parse is ignored: observation must
-not change or stop the response.
+It never keeps completion text: the first choice's answer is reduced to two digests when the
+response ends (:class:`~otelkv.sidecar.continuity.AnswerCollector` holds the streamed pieces
+until then), so the conversation's next request can be checked against it.
+Anything it cannot parse is ignored: observation must not change or stop the response.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+from otelkv.sidecar.continuity import AnswerCollector, AnswerDigest
+
+logger = logging.getLogger("otelkv.sidecar")
 
 MAX_BUFFERED_BYTES = 8 * 1024 * 1024
 """A non-streaming body (or one SSE line) larger than this is forwarded but not parsed."""
@@ -34,6 +41,9 @@ class ResponseFacts:
     parsed: bool = False
     stream_done: bool = False
     """The stream's ``data: [DONE]`` went by: the client was sent the whole answer."""
+    answer: AnswerDigest | None = None
+    """Digests of the one answer the response carried, when it carried exactly one, whole
+    (a finish reason seen); None otherwise. Meaningful in the proxy process only (its hash key)."""
 
 
 class ResponseObserver:
@@ -44,6 +54,9 @@ class ResponseObserver:
         self.facts = ResponseFacts()
         self._buffer = bytearray()
         self._overflow = False
+        self._answer: AnswerCollector | None = AnswerCollector()
+        self.answer_errors = 0
+        """Errors while digesting the answer (counted by the proxy; the response goes on)."""
 
     def feed(self, chunk: bytes, now_ns: int) -> None:
         if not chunk or self._overflow:
@@ -80,6 +93,9 @@ class ResponseObserver:
         elif self.streaming and self._buffer.strip().startswith(b"data:"):
             self._sse_data(bytes(self._buffer).strip()[5:].strip(), now_ns)
         self._buffer = bytearray()
+        if self._answer is not None and self.facts.finish_reasons and not self._overflow:
+            self.facts.answer = self._answer.digest()
+        self._answer = None
         return self.facts
 
     def _sse_data(self, payload: bytes, now_ns: int) -> None:
@@ -132,6 +148,7 @@ class ResponseObserver:
                 facts.kv_transfer_params = True
             message = choice.get("delta" if chunk else "message")
             if isinstance(message, dict):
+                self._collect(choice.get("index"), message)
                 content = message.get("content") or message.get("reasoning_content")
                 if isinstance(content, str) and content:
                     produced = True
@@ -146,6 +163,18 @@ class ResponseObserver:
             if isinstance(text, str) and text:
                 produced = True
         return produced
+
+    def _collect(self, index: Any, message: dict[str, Any]) -> None:
+        """Feed the answer's digests; a failure there drops only the answer (fail-open)."""
+        answer = self._answer
+        if answer is None:
+            return
+        try:
+            answer.delta(index, message)
+        except Exception:
+            logger.exception("otelkv sidecar: could not digest an answer; the response goes on")
+            self._answer = None
+            self.answer_errors += 1
 
 
 def _int(value: Any, default: int | None) -> int | None:

@@ -2,8 +2,10 @@
 
 The proxy process does only what must happen on the request path: it identifies the
 conversation, allocates the turn's trace and span ids (so ``traceparent`` can go
-upstream before the upstream is asked), tracks turn order per conversation, and watches
-the response bytes for first/last token, usage and finish reasons. Everything else -
+upstream before the upstream is asked), tracks turn order per conversation, compares a
+chat request's messages with the conversation's previous request and answer
+(:mod:`otelkv.sidecar.continuity`: digests only), and watches the response bytes for
+first/last token, usage, finish reasons and the answer's digests. Everything else -
 phases, span attributes, metrics, the store - is done from the finished
 :class:`TurnRecord` in the sidecar's main process (``recorder.py``), off the request path.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otelkv import names
+from otelkv.sidecar.continuity import HistoryFacts, HistoryTracker, Observed
 from otelkv.sidecar.conversations import ConversationTracker, TurnStart
 from otelkv.sidecar.identity import DEFAULT_POLICY, ConversationIdentity, IdPolicy, identify
 from otelkv.sidecar.relay import LowerHeaders, Request, header_dict
@@ -35,6 +38,8 @@ OBSERVED_PATHS = {
 _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
+CONTINUITY_ERRORS = "continuity_errors"
+"""The proxy's counter of errors inside the history comparison (fail-open: the request goes on)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,13 @@ class TurnRecord:
     identity: ConversationIdentity | None
     start: TurnStart | None
     response: ResponseFacts | None
+    history: HistoryFacts | None = None
+    """This request's messages against the conversation's previous request and answer, or the
+    recent turn of another conversation it continues (None: nothing to say)."""
+
+
+def _no_count(name: str, n: int = 1) -> None:
+    return None
 
 
 @dataclass(slots=True)
@@ -91,7 +103,18 @@ class _Turn:
     start: TurnStart | None
     trace_id: str
     tracker: ConversationTracker
+    history: HistoryTracker
+    observed: Observed | None
+    count: Callable[[str, int], None]
     observer: ResponseObserver | None = None
+    pending: Callable[[], Observed | None] | None = None
+    """The history comparison, when deferred until the request has gone upstream."""
+
+    def run_pending(self) -> None:
+        """Run the deferred history comparison (once; :meth:`finish` makes sure it ran)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.observed = pending()
 
     def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         try:
@@ -119,6 +142,7 @@ class _Turn:
                 self.observer = None
 
     def finish(self, status: int, error: str | None) -> None:
+        self.run_pending()
         end_ns = time.time_ns()
         facts = None
         if self.observer is not None:
@@ -143,6 +167,7 @@ class _Turn:
                 asked_tools=bool(facts and facts.asked_tools),
                 tool_call_ids=tuple(facts.tool_call_ids[:32]) if facts else (),
             )
+        self._end_history(status, error, facts, end_ns)
         self.emit(
             TurnRecord(
                 trace_id=self.trace_id,
@@ -158,8 +183,33 @@ class _Turn:
                 identity=self.identity,
                 start=self.start,
                 response=facts,
+                history=self.observed.facts if self.observed is not None else None,
             )
         )
+
+    def _end_history(self, status: int, error: str | None, facts: ResponseFacts | None, end_ns: int) -> None:
+        """Keep this request as its conversation's previous one (a 2xx answer only: a refused
+        request is not what the agent goes on from); its answer when relayed whole."""
+        if self.observer is not None and self.observer.answer_errors:
+            self.count(CONTINUITY_ERRORS, self.observer.answer_errors)
+        if self.observed is None or self.identity is None or not 200 <= status < 300:
+            return
+        try:
+            answer = facts.answer if facts is not None and error is None else None
+            tokens = None
+            if facts is not None and facts.prompt_tokens is not None and facts.completion_tokens is not None:
+                tokens = facts.prompt_tokens + facts.completion_tokens
+            self.history.end(
+                self.identity.conversation_id,
+                self.observed,
+                answer,
+                trace_id=self.trace_id,
+                end_ns=end_ns,
+                tokens=tokens,
+            )
+        except Exception:
+            logger.exception("otelkv sidecar: could not keep a request's history digests")
+            self.count(CONTINUITY_ERRORS, 1)
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -217,9 +267,19 @@ class TurnWatcher:
         inject_body_conversation_id: bool = False,
         inject_body_context: bool = True,
         id_policy: IdPolicy = DEFAULT_POLICY,
+        history: HistoryTracker | None = None,
+        count: Callable[[str, int], None] | None = None,
+        defer: Callable[[Callable[[], None]], Any] | None = None,
     ) -> None:
         self.emit = emit
         self.tracker = tracker or ConversationTracker()
+        self.history = history if history is not None else HistoryTracker()
+        self.count = count or _no_count
+        """Counts a named proxy counter (``continuity_errors``); the worker sends them on."""
+        self.defer = defer
+        """Runs a callable soon, after the current request has gone upstream (the proxy's event
+        loop's ``call_soon``): the history comparison, 45-75 us for a 50-message request, then
+        stays off the request's way. None: it runs inside :meth:`begin`."""
         self.inject_session_header = inject_session_header
         self.inject_body_conversation_id = inject_body_conversation_id
         self.inject_body_context = inject_body_context
@@ -299,5 +359,41 @@ class TurnWatcher:
             start=start,
             tracker=self.tracker,
             trace_id=trace_id,
+            history=self.history,
+            observed=None,
+            count=self.count,
         )
+        if operation == names.OPERATION_CHAT and parsed is not None and start is not None:
+            chat = parsed
+
+            def compare() -> Observed | None:
+                return self._observe_history(chat, identity, start, arrival_ns)
+
+            turn.pending = compare
+            if self.defer is not None:
+                self.defer(turn.run_pending)
+            else:
+                turn.run_pending()
         return turn, extra, body
+
+    def _observe_history(
+        self,
+        parsed: dict[str, Any],
+        identity: ConversationIdentity | None,
+        start: TurnStart,
+        arrival_ns: int,
+    ) -> Observed | None:
+        """Digest a chat request's messages and compare them (fail-open: errors are counted)."""
+        if identity is None:
+            return None
+        messages = parsed.get("messages")
+        if not isinstance(messages, list):
+            return None
+        try:
+            return self.history.begin(
+                identity.conversation_id, messages, first_turn=start.index == 0, now_ns=arrival_ns
+            )
+        except Exception:
+            logger.exception("otelkv sidecar: could not compare a request's messages; passing it on")
+            self.count(CONTINUITY_ERRORS, 1)
+            return None

@@ -193,3 +193,21 @@ def test_guard_refuses_kv_of_other_tokens_recomputes_and_releases_the_decode_blo
     assert refused == 1
     assert prom.total(text, "otelkv_instrumentation_errors_total") == 0
 
+
+def test_why_says_history_rewritten_and_no_wrong_reuse_when_guard_refused(
+    fleet: Fleet, scenario: dict[str, dict[str, Any]]
+) -> None:
+    """Guard kept wrong KV out: the turn's diagnoses name the rewritten history (from the engine's
+    digest alone: no sidecar here) and never say KV of other tokens was used."""
+    from otelkv.analysis import report
+    from otelkv.analysis.sources import InMemorySource
+
+    assert fleet.sink is not None
+    _, turn1 = _requests(fleet, "guard-rewritten", names.ROLE_PREFILL)
+    why = report.why(InMemorySource(fleet.sink.spans()), turn1.trace_id)["turn"]
+    found = {d["id"]: d for d in why["diagnoses"]}
+    assert names.DIAG_KV_FOR_OTHER_TOKENS not in found, list(found)
+    rewritten = found[names.DIAG_HISTORY_REWRITTEN]["evidence"]
+    assert rewritten["guard_refused"] is True and rewritten["kv_loaded_for_other_tokens"] is False
+    assert rewritten["first_mismatch_token"] == turn1.attributes[names.CONTINUITY_FIRST_MISMATCH]
+    assert rewritten["pulled_tokens"] == 0

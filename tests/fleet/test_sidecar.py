@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -281,6 +283,180 @@ def test_sidecar_metrics_count_turns_and_kv_reuse(fleet: Fleet, results: dict[st
     assert 'otelkv_trace_pull_decisions_total{decision="pull",reason="pulled"}' in text
     assert "otelkv_trace_kv_transfer_bytes_total" in text
     assert "conv-agent" not in text  # conversation ids never become labels
+
+
+# ---------------------------------------------------------------------- history and identity
+#
+# What agents do to their histories, played against the real fleet through the sidecar, and
+# what `otelkv why` makes of what the sidecar and the engines recorded. Every check compares
+# with what the scenario did: the message it rewrote, the ids it used, its own clock.
+
+SYSTEM = {"role": "system", "content": "you are a helpful agent"}
+
+
+def _text(seed: int, n: int) -> str:
+    """``n`` words of the tiny model's vocabulary (one token each), different for each seed."""
+    vocab = "cache block token engine prefill decode request memory answer tool plan search".split()
+    return " ".join(vocab[(seed * 5 + i * (seed + 2)) % len(vocab)] for i in range(n))
+
+
+@dataclass
+class Sent:
+    """One request as the client made it: its trace, answer, usage and its own clock."""
+
+    trace_id: str
+    text: str
+    usage: dict[str, int]
+    sent_at: float
+    done_at: float
+
+
+def _send(fleet: Fleet, conversation: str, messages: list[dict[str, Any]], *, stream: bool = False) -> Sent:
+    """A chat request through the sidecar, with the client's own trace id (the turn's trace)."""
+    import urllib.request
+
+    trace_id = secrets.token_hex(16)
+    body: dict[str, Any] = {
+        "model": "tiny-llama",
+        "messages": messages,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    request = urllib.request.Request(
+        fleet.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "X-Conversation-Id": conversation,
+            "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01",
+        },
+    )
+    sent_at = time.time()
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        raw = resp.read()
+    done_at = time.time()
+    if not stream:
+        data = json.loads(raw)
+        return Sent(trace_id, data["choices"][0]["message"]["content"] or "", data["usage"], sent_at, done_at)
+    parts, usage = [], {}
+    for line in raw.decode().splitlines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            chunk = json.loads(line[5:])
+            parts += [(c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", [])]
+            usage = chunk.get("usage") or usage
+    return Sent(trace_id, "".join(parts), usage, sent_at, done_at)
+
+
+@pytest.fixture(scope="module")
+def agents_edit_histories(fleet: Fleet, results: dict[str, list[TurnResult]]) -> dict[str, Any]:
+    """Four small scenarios, one after the other (a few seconds in all)."""
+    out: dict[str, Any] = {}
+    # 1. A rewritten history: the agent edits its second message (a compaction would too).
+    context, task = {"role": "user", "content": _text(1, 90)}, {"role": "user", "content": _text(2, 60)}
+    first = [SYSTEM, context, task]
+    a0 = _send(fleet, "conv-rewrite", first)
+    edited = {"role": "user", "content": _text(3, 60)}
+    rewritten = [
+        SYSTEM,
+        context,
+        edited,
+        {"role": "assistant", "content": a0.text},
+        {"role": "user", "content": "now"},
+    ]
+    out["rewrite"] = (first, rewritten, _send(fleet, "conv-rewrite", rewritten))
+    # 2. A re-rendered answer: the app keeps only the first half of the (streamed) answer.
+    ask = [SYSTEM, {"role": "user", "content": _text(4, 90)}]
+    b0 = _send(fleet, "conv-trim", ask, stream=True)
+    words = b0.text.split()
+    assert len(words) >= 2, b0.text  # something to cut
+    trimmed = " ".join(words[: len(words) // 2])
+    follow = [*ask, {"role": "assistant", "content": trimmed}, {"role": "user", "content": _text(5, 30)}]
+    out["trim"] = (ask, follow, _send(fleet, "conv-trim", follow, stream=True))
+    # 3. The same conversation resumed under a new id 2 s later, decode KV still held.
+    start = [SYSTEM, {"role": "user", "content": _text(6, 90)}]
+    c0 = _send(fleet, "conv-resume-old", start)
+    time.sleep(2.0)
+    resumed = [*start, {"role": "assistant", "content": c0.text}, {"role": "user", "content": _text(7, 30)}]
+    out["resume"] = (c0, resumed, _send(fleet, "conv-resume-new", resumed))
+    # 4. One id reused for an unrelated conversation (the same system prompt).
+    release = [SYSTEM, {"role": "user", "content": _text(8, 90)}]
+    d0 = _send(fleet, "conv-reuse", release)
+    unrelated = [SYSTEM, {"role": "user", "content": _text(9, 90)}]
+    out["reuse"] = (d0, release, _send(fleet, "conv-reuse", unrelated))
+    return out
+
+
+def _why(fleet: Fleet, trace_id: str) -> dict[str, Any]:
+    """``otelkv why`` of a turn once its sidecar and engine spans are all in the store."""
+    turn_span(fleet, trace_id)
+    return assert_valid(report.why(stored(fleet), trace_id))["turn"]  # type: ignore[no-any-return]
+
+
+def test_why_names_the_rewritten_message(fleet: Fleet, agents_edit_histories: dict[str, Any]) -> None:
+    first, rewritten, sent = agents_edit_histories["rewrite"]
+    changed = next(i for i, (a, b) in enumerate(zip(first, rewritten, strict=False)) if a != b)
+    turn = _why(fleet, sent.trace_id)
+    assert turn["history"]["rewritten_at"] == changed == 2
+    found = {d["id"]: d for d in turn["diagnoses"]}
+    d = found[names.DIAG_HISTORY_REWRITTEN]
+    assert (d["evidence"]["message_index"], d["evidence"]["previous_messages"]) == (changed, len(first))
+    assert names.DIAG_ID_REUSED not in found
+    if names.DIAG_KV_FOR_OTHER_TOKENS in found:  # the prefill node loaded the old KV: one headline
+        assert [x["id"] for x in turn["diagnoses"][:2]] == [names.DIAG_KV_FOR_OTHER_TOKENS, d["id"]]
+        assert d["cost_s"] == 0.0 and d["evidence"]["kv_loaded_for_other_tokens"] is True
+    # The engine's digest check places the mismatch in the earlier history, as the edit did.
+    assert turn["prefill"]["continuity"]["mismatch_in"] == names.CONTINUITY_IN_HISTORY
+
+
+def test_why_names_the_answer_sent_back_changed(fleet: Fleet, agents_edit_histories: dict[str, Any]) -> None:
+    _, follow, sent = agents_edit_histories["trim"]
+    turn = _why(fleet, sent.trace_id)
+    d = {d["id"]: d for d in turn["diagnoses"]}[names.DIAG_ANSWER_RE_RENDERED]
+    where = next(i for i, m in enumerate(follow) if m["role"] == "assistant")  # where the scenario put it
+    assert d["evidence"]["answer_message_index"] == where
+    assert d["evidence"]["previous_answer"] == names.PREVIOUS_ANSWER_CONTENT_DIFFERS  # it cut the text
+    assert turn["prefill"]["continuity"]["mismatch_in"] == names.CONTINUITY_IN_ANSWER
+    if d["evidence"]["kv_loaded_for_other_tokens"]:
+        assert 0 < d["evidence"]["share_of_pulled"] <= 1 and d["cost_s"] == 0.0
+
+
+def test_why_names_both_ids_of_a_conversation_resumed_under_a_new_one(
+    fleet: Fleet, agents_edit_histories: dict[str, Any]
+) -> None:
+    old, resumed, sent = agents_edit_histories["resume"]
+    turn = _why(fleet, sent.trace_id)
+    d = {d["id"]: d for d in turn["diagnoses"]}[names.DIAG_ID_CHANGED_ON_RESUME]
+    e = d["evidence"]
+    assert (e["conversation_id"], e["previous_conversation_id"]) == ("conv-resume-new", "conv-resume-old")
+    assert e["previous_trace_id"] == old.trace_id
+    assert e["repeated_messages"] == len(resumed) - 1
+    assert e["previous_tokens"] == old.usage["prompt_tokens"] + old.usage["completion_tokens"]
+    client_gap = sent.sent_at - old.done_at  # the client's clock: at least the 2 s it waited
+    assert client_gap - 0.05 <= e["gap_s"] <= client_gap + 0.5, (e["gap_s"], client_gap)
+    assert e["decoder_kv_blocks_ttl_s"] == TTL_S
+    assert e["ttl_left_s"] == pytest.approx(TTL_S - client_gap, abs=0.5) and e["ttl_left_s"] > 0
+    # The router had no handle under the new id: prefill recomputed what decode still held.
+    assert turn["prefill"]["reason"] == names.REASON_NO_DECODE_HANDLE
+    assert e["tokens_recomputed"] > 0 and d["cost_s"] > 0
+
+
+def test_why_names_an_id_reused_for_another_conversation(
+    fleet: Fleet, agents_edit_histories: dict[str, Any]
+) -> None:
+    first, release, sent = agents_edit_histories["reuse"]
+    turn = _why(fleet, sent.trace_id)
+    found = {d["id"]: d for d in turn["diagnoses"]}
+    d = found[names.DIAG_ID_REUSED]
+    assert d["evidence"]["conversation_id"] == "conv-reuse"
+    assert d["evidence"]["previous_trace_id"] == first.trace_id
+    assert d["evidence"]["previous_messages"] == len(release)
+    assert names.DIAG_HISTORY_REWRITTEN not in found  # a reused id is not a rewritten history
+    if names.DIAG_KV_FOR_OTHER_TOKENS in found:  # the old conversation's KV was loaded: the cause follows
+        assert [x["id"] for x in turn["diagnoses"][:2]] == [names.DIAG_KV_FOR_OTHER_TOKENS, d["id"]]
 
 
 # ---------------------------------------------------------------------- byte-for-byte
