@@ -376,7 +376,7 @@ class _Lapse:
     """
 
     retention: Retention | None  # the previous turn's decode retention
-    expired: bool  # ... ended expired
+    expired: bool  # ... ended expired, its TTL deadline before this turn's prefill request
     declined: bool  # prefill's read was declined as expired
     over: bool  # the gap reached decoder_kv_blocks_ttl
     ttl: float | None
@@ -389,9 +389,15 @@ class _Lapse:
         leg = turn.prefill
         declined = leg is not None and _declined_expired(leg)
         ttl = turn.decoder_ttl_s()
+        expired = ret is not None and ret.outcome == names.RETENTION_EXPIRED
+        if expired and ret is not None and ret.ttl_s and prev is not None and prev.decode and leg is not None:
+            # A retention nobody read expires in the end whatever the gap: it lapsed *during the
+            # gap* only if its deadline came before this turn's prefill request did.
+            deadline_ns = prev.decode.end_ns + round(ret.ttl_s * 1e9)
+            expired = not (prev.decode.end_ns and leg.start_ns) or deadline_ns <= leg.start_ns
         return cls(
             retention=ret,
-            expired=ret is not None and ret.outcome == names.RETENTION_EXPIRED,
+            expired=expired,
             declined=declined,
             over=ttl is not None and turn.gap_s >= ttl > 0,
             ttl=ttl,

@@ -825,3 +825,18 @@ def test_a_router_that_dropped_an_expired_handle_is_not_blamed() -> None:
     )
     found = ids(linked(_without_router(prev), _without_router(cur)), Context(per_token_s=0.001))
     assert names.DIAG_TTL_LAPSED in found and names.DIAG_ROUTER_KEPT_NO_HANDLE not in found
+
+
+def test_kv_that_expired_after_the_next_turn_arrived_did_not_lapse_in_the_gap() -> None:
+    """A handle the router did not keep leaves the decode node's blocks unread: they expire in
+    the end, whatever the gap. Looked at after that, the turn must still say the router kept
+    no handle, not that the TTL lapsed (the KV was held when the turn arrived)."""
+    decode = {names.KV_PARAMS_RETURNED: True, names.REQUEST_STREAMED: False}
+    prefill = {names.PULL_REASON: names.REASON_NO_DECODE_HANDLE, names.PULL_DECISION: "recompute"}
+    prev, cur = pair(
+        gap_s=0.5,
+        prev_kw={"decode": decode, "retention": {names.RETENTION_OUTCOME: names.RETENTION_EXPIRED}},
+        prefill=prefill,
+    )
+    found = ids(linked(_without_router(prev), _without_router(cur)), Context(per_token_s=0.001))
+    assert names.DIAG_ROUTER_KEPT_NO_HANDLE in found and names.DIAG_TTL_LAPSED not in found
