@@ -376,7 +376,7 @@ class _Lapse:
     """
 
     retention: Retention | None  # the previous turn's decode retention
-    expired: bool  # ... ended expired, its TTL deadline before this turn's prefill request
+    expired: bool  # ... ended expired, and the gap before this turn reached its TTL
     declined: bool  # prefill's read was declined as expired
     over: bool  # the gap reached decoder_kv_blocks_ttl
     ttl: float | None
@@ -389,12 +389,12 @@ class _Lapse:
         leg = turn.prefill
         declined = leg is not None and _declined_expired(leg)
         ttl = turn.decoder_ttl_s()
+        # A retention nobody read expires in the end whatever the gap: it lapsed *during the gap*
+        # only if the gap reached its TTL (the gap is one clock's, the sidecar's; the engines'
+        # span times come from two hosts).
         expired = ret is not None and ret.outcome == names.RETENTION_EXPIRED
-        if expired and ret is not None and ret.ttl_s and prev is not None and prev.decode and leg is not None:
-            # A retention nobody read expires in the end whatever the gap: it lapsed *during the
-            # gap* only if its deadline came before this turn's prefill request did.
-            deadline_ns = prev.decode.end_ns + round(ret.ttl_s * 1e9)
-            expired = not (prev.decode.end_ns and leg.start_ns) or deadline_ns <= leg.start_ns
+        if expired and ret is not None and ret.ttl_s:
+            expired = turn.gap_s >= ret.ttl_s
         return cls(
             retention=ret,
             expired=expired,
@@ -827,16 +827,21 @@ class _Divergence:
 @register(names.DIAG_ID_CHANGED_ON_RESUME, "Conversation resumed under a new id")
 def check_id_changed_on_resume(turn: Turn, ctx: Context) -> Diagnosis | None:
     """The first request of this id opens with a recent turn of another conversation (its
-    messages and answer): the router keys the decode handle by id, so it sent none."""
+    messages and answer) whose decode KV was still held: the router keys the decode handle by
+    id, so it sent none. Silent when a handle reached the prefill node anyway (a router keyed
+    otherwise) or the KV had expired by then (the new id cost nothing)."""
     resumed = turn.resumed_from
     if resumed is None:
         return None
     ttl = turn.decoder_ttl_s()
     left = ttl - resumed.gap_s if ttl is not None else None
     leg = turn.prefill
-    held = left is None or left > 0
+    if (left is not None and left <= 0) or (
+        leg is not None and leg.reason is not None and leg.reason != names.REASON_NO_DECODE_HANDLE
+    ):
+        return None
     tokens = 0  # what the decode node held beyond the prefill node's own prefix-cache hit
-    if held and resumed.tokens and leg is not None and not leg.pulled:
+    if resumed.tokens and leg is not None and not leg.pulled:
         local = leg.local_cache or 0
         tokens = max(min(resumed.tokens, leg.prompt_tokens or resumed.tokens) - local, 0)
         if leg.computed is not None:
@@ -855,24 +860,18 @@ def check_id_changed_on_resume(turn: Turn, ctx: Context) -> Diagnosis | None:
         "tokens_recomputed": tokens,
     }
     held_tokens = f"{resumed.tokens} tokens" if resumed.tokens is not None else "the KV"
-    if left is not None and left <= 0:
-        then = (
-            f"By then the decode node's KV had expired anyway (decoder_kv_blocks_ttl={ttl:g}s): the new "
-            "id cost nothing this time."
-        )
-    else:
-        still = f" for another {left:.1f}s" if left is not None else ""
-        then = (
-            f"The decode node still held that turn's {held_tokens}{still}, but the router keys its handle "
-            f"by conversation id and sent none: prefill recomputed the {tokens} of them its own prefix "
-            "cache did not hold."
-        )
+    still = f" for another {left:.1f}s" if left is not None else ""
+    then = (
+        f"The decode node still held that turn's {held_tokens}{still}, but the router keys its handle "
+        f"by conversation id and sent none: prefill recomputed the {tokens} of them its own prefix "
+        "cache did not hold."
+    )
     return Diagnosis(
         names.DIAG_ID_CHANGED_ON_RESUME,
         title(names.DIAG_ID_CHANGED_ON_RESUME),
         f"This request continues conversation {resumed.conversation_id!r} under the new id "
-        f"{turn.conversation_id!r}: it opens with the {resumed.messages} messages of that conversation's "
-        f"turn (trace {resumed.trace_id}) and its answer, {resumed.gap_s:.1f}s after that turn ended. {then}",
+        f"{turn.conversation_id!r}: it opens with that conversation's turn (trace {resumed.trace_id}), "
+        f"{resumed.messages} messages with its answer, {resumed.gap_s:.1f}s after that turn ended. {then}",
         evidence,
         "Keep the conversation id when the agent resumes a conversation (after a restart, a reconnect, a "
         "hand-off to another worker): send the same X-Conversation-Id / X-Session-ID. If the application "
@@ -919,12 +918,15 @@ def check_id_reused(turn: Turn, ctx: Context) -> Diagnosis | None:
     return Diagnosis(
         names.DIAG_ID_REUSED,
         title(names.DIAG_ID_REUSED),
-        f"The conversation id {turn.conversation_id!r} was reused for another conversation: this request "
+        f"The conversation id {turn.conversation_id!r} was reused for another conversation, or the whole "
+        "history after the system prompt was replaced (a compaction into one summary): this request "
         f"shares no message with the id's previous request ({history.previous_messages} messages) beyond "
         f"an identical leading system message. {then}",
         evidence,
         "Mint a new conversation id for every new conversation (unique per conversation, not per user, "
-        "session or worker), and keep it for that conversation's later turns.",
+        "session or worker), and keep it for that conversation's later turns. If the agent replaced its "
+        "history on purpose, give the rewritten conversation a new id too: the router then sends no "
+        "decode handle for KV of the old text.",
         div.cost(turn, ctx),
     )
 

@@ -502,11 +502,13 @@ def _history(a: dict[str, Any]) -> History | None:
     previous = opt_int(a, names.TURN_PREVIOUS_MESSAGES)
     if previous is None:
         return None
+    answer = opt_str(a, names.TURN_PREVIOUS_ANSWER)
     return History(
         previous_messages=previous,
         rewritten_at=opt_int(a, names.TURN_HISTORY_REWRITTEN_AT),
         id_reused=opt_bool(a, names.CONVERSATION_ID_REUSED) is True,
-        previous_answer=opt_str(a, names.TURN_PREVIOUS_ANSWER),
+        # A value from another writer (or a later version) is not one the analysis knows.
+        previous_answer=answer if answer in names.PREVIOUS_ANSWER_STATES else None,
     )
 
 

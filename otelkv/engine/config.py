@@ -125,7 +125,8 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
         pick(names.CONFIG_STUCK_AFTER_SECONDS, names.ENV_STUCK_AFTER_SECONDS, 60.0),
     )
     raw_mode = pick(names.CONFIG_CONTINUITY, names.ENV_CONTINUITY, names.CONTINUITY_MODE_OBSERVE)
-    continuity = str(raw_mode).strip().lower()
+    # An empty value (``OTELKV_CONTINUITY=`` in a compose file) means the default.
+    continuity = str(raw_mode).strip().lower() or names.CONTINUITY_MODE_OBSERVE
     if continuity not in names.CONTINUITY_MODES:
         raise ConfigError(
             f"{names.CONFIG_CONTINUITY}={raw_mode!r}: expected one of {', '.join(names.CONTINUITY_MODES)}"

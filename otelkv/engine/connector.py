@@ -391,12 +391,13 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
         result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
         sched = self._sched
         if sched is not None:
-            if result[0] and sched.guarding and sched.refuses(request) is True:
+            refused = bool(result[0]) and sched.guarding and sched.refuses(request) is True
+            if refused:
                 # Guard mode: KV computed for other tokens is not loaded, vLLM recomputes.
                 # The inner connector still gets the handle in update_state_after_alloc and,
                 # as for a full local prefix hit, tells the decode node to release its blocks.
                 result = (0, False)
-            sched.on_matched(request, num_computed_tokens, result)
+            sched.on_matched(request, num_computed_tokens, result, refused=refused)
         return result
 
     def get_external_cache_hit_sources(

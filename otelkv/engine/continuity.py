@@ -136,20 +136,17 @@ def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: Any) -
     if not bounds:
         return Check(offered, 0, None, None)
     raw = _raw(prompt_token_ids, bounds[-1][1])
-
-    def same(i: int) -> bool:  # hash i covers every token up to the end of chunk i
-        return hashlib.blake2b(raw[: bounds[i][1] * 8], digest_size=HASH_BYTES).digest() == hashes[i]
-
     last = len(bounds) - 1
-    if same(last):  # the usual case: one hash over the prompt's offered tokens
+    # The usual case: one hash over the prompt's offered tokens (hash i covers every token up
+    # to the end of chunk i) matches the last one compared.
+    if hashlib.blake2b(raw, digest_size=HASH_BYTES).digest() == hashes[last]:
         return Check(offered, bounds[last][1], None, None)
-    first, bad = 0, last  # chained hashes: once one differs, every later one does
-    while first < bad:
-        mid = (first + bad) // 2
-        if same(mid):
-            first = mid + 1
-        else:
-            bad = mid
-    lo = bounds[first][0]
-    where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
-    return Check(offered, lo, lo, where)
+    # A mismatch: one chained pass finds the first chunk that differs (bisecting would rehash
+    # from token 0 at each step, slower when the difference is late, as a re-rendered answer is).
+    chain = hashlib.blake2b(digest_size=HASH_BYTES)
+    for i, (lo, hi) in enumerate(bounds):
+        chain.update(raw[lo * 8 : hi * 8])
+        if chain.copy().digest() != hashes[i]:
+            where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
+            return Check(offered, lo, lo, where)
+    return Check(offered, bounds[last][1], None, None)  # unreachable unless BLAKE2b disagrees with itself

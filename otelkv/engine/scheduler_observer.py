@@ -219,12 +219,23 @@ class SchedulerObserver:
         return parent, (names.TRACE_CONTEXT_BODY if parent else names.TRACE_CONTEXT_NONE)
 
     @guarded("get_num_new_matched_tokens")
-    def on_matched(self, request: Any, num_computed_tokens: int, result: tuple[int | None, bool]) -> None:
+    def on_matched(
+        self,
+        request: Any,
+        num_computed_tokens: int,
+        result: tuple[int | None, bool],
+        *,
+        refused: bool = False,
+    ) -> None:
+        """vLLM asked the connector what it can load (possibly again, until the request is
+        allocated); ``refused``: guard mode turned the inner connector's answer into "nothing"
+        this time."""
         state = self._reqs.get(request.request_id)
         if state is None or state.allocated:
             return
         state.local_hit = int(num_computed_tokens)
         state.matched = result[0]
+        state.refused = refused
         if state.role == names.ROLE_PREFILL:
             state.decision = decide_reverse_pull(
                 request.kv_transfer_params or {},
@@ -260,8 +271,7 @@ class SchedulerObserver:
         if not state.continuity_checked:
             self._check_continuity(state, request)
         check = state.continuity
-        state.refused = check is not None and check.first_mismatch is not None
-        return state.refused
+        return check is not None and check.first_mismatch is not None
 
     def _check_continuity(self, state: _Request, request: Any) -> None:
         """The prompt against the digest in the decode handle, once per request."""

@@ -56,10 +56,11 @@ MAX_MESSAGES = 2048
 STATE_BUDGET_BYTES = 8 * 1024 * 1024
 """Memory the per-conversation digests may take in all (the least recently active conversation
 is forgotten first, counted in :attr:`HistoryTracker.forgotten`)."""
-STATE_OVERHEAD_BYTES = 400
-"""Python's own cost of one conversation's entry besides its 8 bytes per message (array header,
-ordered-dict slot, the state object, the answer's digests, a 9-character id; a longer id adds
-its length), as measured with ``tracemalloc`` in ``tests/unit/test_sidecar_continuity.py``."""
+STATE_OVERHEAD_BYTES = 391
+"""Python's own cost of one conversation's entry besides its 8 bytes per message and one byte
+per character of its id (array header, ordered-dict slot, the state object, the answer's
+digests, the id string's header), as measured with ``tracemalloc`` in
+``tests/unit/test_sidecar_continuity.py``."""
 RECENT_TTL_S = 600.0
 """How long a finished turn can be found as the start of a conversation resumed under a new id:
 10 minutes, above vLLM's default ``decoder_kv_blocks_ttl`` (480 s); after that the decode node
@@ -420,6 +421,11 @@ class _State:
     answer: AnswerDigest | None
 
 
+def _entry_bytes(conversation_id: str, digests: Sequence[int] | array) -> int:
+    """What one conversation's entry is counted as: its digests, Python's overhead, its id."""
+    return len(digests) * DIGEST_BYTES + STATE_OVERHEAD_BYTES + len(conversation_id)
+
+
 class HistoryTracker:
     """Per conversation: the digests of its last request and of its answer; and the recent turns.
 
@@ -485,12 +491,12 @@ class HistoryTracker:
         with self._lock:
             old = self._states.pop(conversation_id, None)
             if old is not None:
-                self._bytes -= len(old.digests) * DIGEST_BYTES + STATE_OVERHEAD_BYTES
+                self._bytes -= _entry_bytes(conversation_id, old.digests)
             self._states[conversation_id] = _State(current, answer)
-            self._bytes += len(current) * DIGEST_BYTES + STATE_OVERHEAD_BYTES
+            self._bytes += _entry_bytes(conversation_id, current)
             while self._bytes > self.budget_bytes and len(self._states) > 1:
-                _, gone = self._states.popitem(last=False)
-                self._bytes -= len(gone.digests) * DIGEST_BYTES + STATE_OVERHEAD_BYTES
+                gone_id, gone = self._states.popitem(last=False)
+                self._bytes -= _entry_bytes(gone_id, gone.digests)
                 self.forgotten += 1
             if key is not None:
                 self.recent.add(key, _Recent(conversation_id, trace_id, end_ns, tokens, len(current) + 1))

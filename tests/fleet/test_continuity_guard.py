@@ -116,6 +116,13 @@ def _requests(fleet: Fleet, conversation: str, role: str, count: int = 2) -> lis
     return mine(fleet.sink.wait_for(lambda spans: len(mine(spans)) >= count, timeout=30))
 
 
+def _assert_recomputed(fleet: Fleet, answer: logprobs.Answer) -> None:
+    """The truth really is a recompute: nothing pulled, nothing from the prefix cache."""
+    assert fleet.sink is not None
+    prefill = logprobs.engine_spans(fleet.sink, answer.trace_id)[names.ROLE_PREFILL].attributes
+    assert (prefill[names.TOKENS_PULLED], prefill[names.TOKENS_LOCAL_CACHE_HIT]) == (0, 0)
+
+
 def _retention(fleet: Fleet, decode: SpanRecord) -> SpanRecord:
     assert fleet.sink is not None
 
@@ -140,6 +147,7 @@ def test_guard_leaves_a_handle_that_matches_the_prompt_to_vllm(
     assert a[names.TOKENS_PULLED] == a[names.CONTINUITY_OFFERED] - a[names.TOKENS_LOCAL_CACHE_HIT] > 0
     run = scenario["guard-extends"]
     assert turn1.trace_id == run["answer"].trace_id
+    _assert_recomputed(fleet, run["recomputed"])
     # The pulled KV is the right KV: the answer equals vLLM's recompute of the same messages.
     assert logprobs.max_difference(run["answer"], run["recomputed"]) <= logprobs.LOGPROB_TOLERANCE
 
@@ -168,6 +176,7 @@ def test_guard_refuses_kv_of_other_tokens_recomputes_and_releases_the_decode_blo
     # Guard gives the recompute answer (in observe mode the same request's answer differs:
     # test_bidirectional shows it).
     assert turn1.trace_id == messages["answer"].trace_id
+    _assert_recomputed(fleet, messages["recomputed"])
     assert logprobs.max_difference(messages["answer"], messages["recomputed"]) <= logprobs.LOGPROB_TOLERANCE
 
     # The decode node's blocks for turn 0 are released (as for a full local prefix hit):

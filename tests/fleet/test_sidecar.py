@@ -405,9 +405,9 @@ def test_why_names_the_rewritten_message(fleet: Fleet, agents_edit_histories: di
     d = found[names.DIAG_HISTORY_REWRITTEN]
     assert (d["evidence"]["message_index"], d["evidence"]["previous_messages"]) == (changed, len(first))
     assert names.DIAG_ID_REUSED not in found
-    if names.DIAG_KV_FOR_OTHER_TOKENS in found:  # the prefill node loaded the old KV: one headline
-        assert [x["id"] for x in turn["diagnoses"][:2]] == [names.DIAG_KV_FOR_OTHER_TOKENS, d["id"]]
-        assert d["cost_s"] == 0.0 and d["evidence"]["kv_loaded_for_other_tokens"] is True
+    # Observe mode: the prefill node loaded the old KV. One headline, the cause right after it.
+    assert [x["id"] for x in turn["diagnoses"][:2]] == [names.DIAG_KV_FOR_OTHER_TOKENS, d["id"]]
+    assert d["cost_s"] == 0.0 and d["evidence"]["kv_loaded_for_other_tokens"] is True
     # The engine's digest check places the mismatch in the earlier history, as the edit did.
     assert turn["prefill"]["continuity"]["mismatch_in"] == names.CONTINUITY_IN_HISTORY
 
@@ -436,7 +436,8 @@ def test_why_names_both_ids_of_a_conversation_resumed_under_a_new_one(
     assert e["repeated_messages"] == len(resumed) - 1
     assert e["previous_tokens"] == old.usage["prompt_tokens"] + old.usage["completion_tokens"]
     client_gap = sent.sent_at - old.done_at  # the client's clock: at least the 2 s it waited
-    assert client_gap - 0.05 <= e["gap_s"] <= client_gap + 0.5, (e["gap_s"], client_gap)
+    # The sidecar stamps the end after its last write: a descheduled proxy makes its gap shorter.
+    assert client_gap - 0.5 <= e["gap_s"] <= client_gap + 0.5, (e["gap_s"], client_gap)
     assert e["decoder_kv_blocks_ttl_s"] == TTL_S
     assert e["ttl_left_s"] == pytest.approx(TTL_S - client_gap, abs=0.5) and e["ttl_left_s"] > 0
     # The router had no handle under the new id: prefill recomputed what decode still held.
@@ -455,8 +456,8 @@ def test_why_names_an_id_reused_for_another_conversation(
     assert d["evidence"]["previous_trace_id"] == first.trace_id
     assert d["evidence"]["previous_messages"] == len(release)
     assert names.DIAG_HISTORY_REWRITTEN not in found  # a reused id is not a rewritten history
-    if names.DIAG_KV_FOR_OTHER_TOKENS in found:  # the old conversation's KV was loaded: the cause follows
-        assert [x["id"] for x in turn["diagnoses"][:2]] == [names.DIAG_KV_FOR_OTHER_TOKENS, d["id"]]
+    # Observe mode: the old conversation's KV was loaded; the cause follows the failure.
+    assert [x["id"] for x in turn["diagnoses"][:2]] == [names.DIAG_KV_FOR_OTHER_TOKENS, d["id"]]
 
 
 # ---------------------------------------------------------------------- byte-for-byte

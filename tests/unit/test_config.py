@@ -126,6 +126,7 @@ def test_extra_config_wins_over_env() -> None:
         ({}, {}, names.CONTINUITY_MODE_OBSERVE),
         ({names.CONFIG_CONTINUITY: "guard"}, {}, names.CONTINUITY_MODE_GUARD),
         ({}, {names.ENV_CONTINUITY: " Guard "}, names.CONTINUITY_MODE_GUARD),
+        ({}, {names.ENV_CONTINUITY: ""}, names.CONTINUITY_MODE_OBSERVE),
         (
             {names.CONFIG_CONTINUITY: "observe"},
             {names.ENV_CONTINUITY: "guard"},
@@ -166,7 +167,7 @@ def test_false_spellings(text: str) -> None:
         ({"kv_lease_duration": [30]}, {}, "kv_lease_duration=[30]"),
         ({"backends": 3}, {}, "backends=3"),
         ({names.CONFIG_CONTINUITY: "block"}, {}, "otelkv_continuity='block': expected one of observe, guard"),
-        ({}, {names.ENV_CONTINUITY: ""}, "otelkv_continuity='': expected one of"),
+        ({}, {names.ENV_CONTINUITY: "gaurd"}, "otelkv_continuity='gaurd': expected one of"),
     ],
 )
 def test_bad_values_raise_config_error_naming_the_key(

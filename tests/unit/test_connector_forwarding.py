@@ -251,3 +251,36 @@ def test_only_guard_mode_changes_what_the_connector_matched_and_only_on_a_mismat
     else:
         assert result is inner
     assert [c[0] for c in fakes.CALLS].count("get_num_new_matched_tokens") == 1
+
+
+def test_guard_mode_fails_open_to_what_the_inner_connector_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error inside the guard's check (injected here) never refuses: vLLM loads what the inner
+    connector offered, and the error is counted."""
+    from types import SimpleNamespace
+
+    from otelkv.engine import continuity
+
+    monkeypatch.setenv(names.ENV_FAULT_INJECT, "continuity_guard")
+    fakes.reset()
+    config = fakes.vllm_config({names.CONFIG_CONTINUITY: names.CONTINUITY_MODE_GUARD})
+    connector = OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
+    held = list(range(100, 244))
+    handle = {
+        **fakes.DECODE_HANDLE,
+        "remote_num_tokens": len(held),
+        names.XARG_CONTINUITY: continuity.digest(held, len(held), 128),
+    }
+    prompt = [*held[:7], *range(900, 1073)]  # a proven mismatch, were the check to run
+    request = SimpleNamespace(
+        request_id="chatcmpl-next-0badf00d",
+        kv_transfer_params=handle,
+        trace_headers=None,
+        session_id="conv-1",
+        num_prompt_tokens=len(prompt),
+        prompt_token_ids=prompt,
+        sampling_params=None,
+    )
+    connector.on_new_request(request)  # type: ignore[arg-type]
+    fakes.RETURNS["get_num_new_matched_tokens"] = inner = (144, True)
+    assert connector.get_num_new_matched_tokens(request, 0) is inner  # type: ignore[arg-type]
+    assert connector._errors.total["continuity_guard"] == 1

@@ -101,3 +101,42 @@ def test_the_partial_last_chunk_is_checked_when_covered_and_unverified_when_not(
 )
 def test_a_digest_otelkv_did_not_write_is_not_used(value: object) -> None:
     assert parse(value) is None and check(value, HELD, len(HELD)) is None
+
+
+def test_the_first_mismatch_is_the_first_chunk_with_a_different_token() -> None:
+    """Against the tokens themselves: for random histories, answers and edits at every kind of
+    place, the check names the start of the first 32-token chunk (restarting at the previous
+    prompt's end) that holds a changed token among those offered, and where it lies."""
+    import random
+
+    rng = random.Random(13)
+    for _ in range(400):
+        n = rng.randint(1, 300)
+        prev_prompt = rng.randint(0, n)
+        held = [rng.randrange(50_000) for _ in range(n)]
+        value = digest(held, n, prev_prompt)
+        prompt = held + [rng.randrange(50_000) for _ in range(rng.randint(0, 40))]
+        if rng.random() < 0.3:
+            prompt = prompt[: rng.randint(0, len(prompt))]
+        for _ in range(rng.choice((0, 1, 1, 3))):
+            if prompt:
+                prompt[rng.randrange(len(prompt))] = 50_001  # an id the digest never saw
+        remote = rng.choice((n, n, rng.randint(0, n)))
+        got = check(value, prompt, remote)
+        assert got is not None
+        offered = max(min(remote, len(prompt)), 0)
+        chunks = [
+            (lo, min(lo + CHUNK_TOKENS, hi))
+            for start, hi in ((0, min(prev_prompt, n)), (prev_prompt, n))
+            for lo in range(start, hi, CHUNK_TOKENS)
+        ]
+        compared = [(lo, hi) for lo, hi in chunks if hi <= offered]
+        differs = [lo for lo, hi in compared if prompt[lo:hi] != held[lo:hi]]
+        assert got.offered == offered
+        if differs:
+            first = differs[0]
+            where = names.CONTINUITY_IN_HISTORY if first < prev_prompt else names.CONTINUITY_IN_ANSWER
+            assert (got.first_mismatch, got.matching, got.mismatch_in) == (first, first, where)
+        else:
+            assert got.first_mismatch is None
+            assert got.matching == (compared[-1][1] if compared else 0)

@@ -447,7 +447,7 @@ def test_guard_mode_refuses_a_handle_whose_kv_belongs_to_other_tokens() -> None:
     req.prompt_token_ids = held[:40] + list(range(900, 1040))  # rewritten from token 40 on
     observer.on_new_request(req)
     assert observer.refuses(req) is True
-    observer.on_matched(req, 0, (0, False))
+    observer.on_matched(req, 0, (0, False), refused=True)
     observer.on_alloc(req, 0)
     observer.on_finished(req, [[1]], (False, None))
     a = spans_by_name(exporter)["kv_request prefill"].attributes

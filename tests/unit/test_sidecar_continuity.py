@@ -267,7 +267,7 @@ def test_state_is_held_to_its_budget_and_the_estimate_is_honest() -> None:
     """What 1,000 conversations of 60 messages (9-character ids) really hold, measured with
     tracemalloc, stays within the estimate the budget is kept with."""
     messages = [SYSTEM] + [user(f"m{i}") if i % 2 else assistant(f"a{i}") for i in range(59)]
-    per_conversation = 60 * continuity.DIGEST_BYTES + STATE_OVERHEAD_BYTES
+    per_conversation = 60 * continuity.DIGEST_BYTES + STATE_OVERHEAD_BYTES + len("conv-0000")
     n = 1000
     tracker = HistoryTracker(budget_bytes=n * per_conversation, recent=RecentTurns(capacity=0))
     tracemalloc.start()
