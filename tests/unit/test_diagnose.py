@@ -288,6 +288,14 @@ def linked(prev: list[SpanRecord], cur: list[SpanRecord], tools: list[SpanRecord
     return turn
 
 
+def built(spans: list[SpanRecord]) -> Turn:
+    """The turn the spans make; a test whose spans make none fails here instead of checking an
+    empty stand-in."""
+    turn = build_turn(spans)
+    assert turn is not None
+    return turn
+
+
 def ids(turn: Turn, ctx: Context | None = None) -> list[str]:
     return [d.id for d in diagnose(turn, ctx)]
 
@@ -433,7 +441,7 @@ def test_ttl_lapsed(form: Any) -> None:
     assert names.DIAG_ROUTER_HANDLE_EXPIRED not in found  # the KV really was gone
     # Declined-expired read alone also says so.
     _, cur2 = pair(prefill={names.PULL_REASON: names.REASON_DECLINED_EXPIRED})
-    assert names.DIAG_TTL_LAPSED in ids(build_turn(form(cur2)) or Turn("x", "x"))
+    assert names.DIAG_TTL_LAPSED in ids(built(form(cur2)))
 
 
 @FORMS
@@ -456,7 +464,7 @@ def test_router_dropped_handle(form: Any) -> None:
     assert found[names.DIAG_ROUTER_HANDLE_EXPIRED].evidence["handle_age_s"] == 5.0
     assert names.DIAG_TTL_LAPSED not in found
     _, hit = pair()
-    assert names.DIAG_ROUTER_HANDLE_EXPIRED not in ids(build_turn(form(hit)) or Turn("x", "x"))
+    assert names.DIAG_ROUTER_HANDLE_EXPIRED not in ids(built(form(hit)))
 
 
 @FORMS
@@ -475,7 +483,7 @@ def test_below_threshold(form: Any) -> None:
     assert d.evidence["remote_reusable_tokens"] == 40 and d.evidence["kv_recompute_threshold"] == 64
     assert "40" in d.summary and "64" in d.summary
     _, pulled = pair()
-    assert names.DIAG_BELOW_THRESHOLD not in ids(build_turn(form(pulled)) or Turn("x", "x"))
+    assert names.DIAG_BELOW_THRESHOLD not in ids(built(form(pulled)))
 
 
 @FORMS
@@ -486,9 +494,9 @@ def test_no_conversation_id(form: Any) -> None:
     d = next(d for d in diagnose(turn) if d.id == names.DIAG_NO_CONVERSATION_ID)
     assert "X-Conversation-Id" in d.fix and d.evidence["conversation_id_source"] == "fingerprint"
     _, routed = pair(router={names.ROUTER_HANDLE: names.ROUTER_HANDLE_NO_CONVERSATION})
-    assert names.DIAG_NO_CONVERSATION_ID in ids(build_turn(form(routed)) or Turn("x", "x"))
+    assert names.DIAG_NO_CONVERSATION_ID in ids(built(form(routed)))
     _, ok = pair()
-    assert names.DIAG_NO_CONVERSATION_ID not in ids(build_turn(form(ok)) or Turn("x", "x"))
+    assert names.DIAG_NO_CONVERSATION_ID not in ids(built(form(ok)))
 
 
 @FORMS
@@ -538,17 +546,15 @@ def test_bidirectional_off(form: Any) -> None:
         prefill={names.PULL_REASON: names.REASON_BIDIRECTIONAL_OFF},
         prefill_resource={names.BIDIRECTIONAL_KV_XFER: False},
     )
-    d = next(
-        d for d in diagnose(build_turn(form(cur)) or Turn("x", "x")) if d.id == names.DIAG_BIDIRECTIONAL_OFF
-    )
+    d = next(d for d in diagnose(built(form(cur))) if d.id == names.DIAG_BIDIRECTIONAL_OFF)
     assert d.evidence["prefill_bidirectional_kv_xfer"] is False and "prefill" in d.summary
     _, dec_off = pair(
         prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
         decode_resource={names.BIDIRECTIONAL_KV_XFER: False},
     )
-    assert names.DIAG_BIDIRECTIONAL_OFF in ids(build_turn(form(dec_off)) or Turn("x", "x"))
+    assert names.DIAG_BIDIRECTIONAL_OFF in ids(built(form(dec_off)))
     _, on = pair()
-    assert names.DIAG_BIDIRECTIONAL_OFF not in ids(build_turn(form(on)) or Turn("x", "x"))
+    assert names.DIAG_BIDIRECTIONAL_OFF not in ids(built(form(on)))
 
 
 @FORMS
@@ -636,12 +642,12 @@ def test_kv_read_started_late(form: Any) -> None:
     # A declined read whose request did not fail (spans as a recompute would leave them): still
     # named, no failure.
     _, recomputed = pair(gap_s=1.1, prefill=declined, prefill_transfer=late, **ttl15)
-    found2 = {d.id: d for d in diagnose(build_turn(form(recomputed)) or Turn("x", "x"))}
+    found2 = {d.id: d for d in diagnose(built(form(recomputed)))}
     assert "recomputed" in found2[names.DIAG_KV_READ_STARTED_LATE].summary
     assert names.DIAG_EXPIRED_READ_FAILED not in found2 and names.DIAG_TTL_LAPSED not in found2
     # A gap that does reach the TTL's margin is the gap's fault: ttl_lapsed_during_gap, not this.
     _, gap = pair(gap_s=11.0, prefill=declined, prefill_transfer=late, **ttl15)
-    found3 = ids(build_turn(form(gap)) or Turn("x", "x"))
+    found3 = ids(built(form(gap)))
     assert names.DIAG_TTL_LAPSED in found3 and names.DIAG_KV_READ_STARTED_LATE not in found3
 
 
@@ -654,10 +660,10 @@ def test_transfer_failed(form: Any) -> None:
         },
         prefill_transfer={names.TRANSFER_OUTCOME: names.TRANSFER_FAILED},
     )
-    found = ids(build_turn(form(cur)) or Turn("x", "x"))
+    found = ids(built(form(cur)))
     assert names.DIAG_TRANSFER_FAILED in found and names.DIAG_EXPIRED_READ_FAILED not in found
     _, ok = pair(prefill_transfer={})
-    assert names.DIAG_TRANSFER_FAILED not in ids(build_turn(form(ok)) or Turn("x", "x"))
+    assert names.DIAG_TRANSFER_FAILED not in ids(built(form(ok)))
 
 
 @FORMS
@@ -671,7 +677,7 @@ def test_forward_transfer_failed_with_the_prefill_node_gone(form: Any) -> None:
         status="Error",
     )
     spans = [s for s in spans if s.name != "kv_request prefill"]
-    assert names.DIAG_TRANSFER_FAILED in ids(build_turn(form(spans)) or Turn("x", "x"))
+    assert names.DIAG_TRANSFER_FAILED in ids(built(form(spans)))
 
 
 @FORMS
@@ -690,7 +696,7 @@ def test_stuck_waiting_for_remote_kv(form: Any) -> None:
     d = diagnose(turn)[0]
     assert d.id == names.DIAG_STUCK_WAITING_FOR_REMOTE_KV and d.evidence["remote_kv_wait_s"] == 30.0
     _, ok = pair()
-    assert names.DIAG_STUCK_WAITING_FOR_REMOTE_KV not in ids(build_turn(form(ok)) or Turn("x", "x"))
+    assert names.DIAG_STUCK_WAITING_FOR_REMOTE_KV not in ids(built(form(ok)))
 
 
 @FORMS
@@ -709,7 +715,7 @@ def test_slow_kv_handoff(form: Any) -> None:
             names.TRANSFER_BYTES: 65536,
         },
     )
-    turn = build_turn(form(slow)) or Turn("x", "x")
+    turn = built(form(slow))
     found = diagnose(turn)
     assert found[0].id == names.DIAG_SLOW_KV_HANDOFF, [d.id for d in found]
     d = found[0]
@@ -722,35 +728,33 @@ def test_slow_kv_handoff(form: Any) -> None:
     fast = turn_trace(
         index=0, stream=False, request_s=2.0, decode_transfer={names.TRANSFER_WAIT_SECONDS: 0.9}
     )
-    assert names.DIAG_SLOW_KV_HANDOFF not in ids(build_turn(form(fast)) or Turn("x", "x"))
+    assert names.DIAG_SLOW_KV_HANDOFF not in ids(built(form(fast)))
     small = turn_trace(
         index=0, stream=False, request_s=20.0, decode_transfer={names.TRANSFER_WAIT_SECONDS: 1.5}
     )
-    assert names.DIAG_SLOW_KV_HANDOFF not in ids(build_turn(form(small)) or Turn("x", "x"))
+    assert names.DIAG_SLOW_KV_HANDOFF not in ids(built(form(small)))
 
 
 @FORMS
 def test_queueing(form: Any) -> None:
     # 3 s to first token, engines account for 0.25 s prefill + 0.02 s hand-off.
     _, cur = pair(request_s=4.0, ttft_s=3.0)
-    d = next(d for d in diagnose(build_turn(form(cur)) or Turn("x", "x")) if d.id == names.DIAG_QUEUEING)
+    d = next(d for d in diagnose(built(form(cur))) if d.id == names.DIAG_QUEUEING)
     assert d.evidence["unexplained_s"] == pytest.approx(2.73, abs=0.01)
     _, fast = pair(ttft_s=0.35)
-    assert names.DIAG_QUEUEING not in ids(build_turn(form(fast)) or Turn("x", "x"))
+    assert names.DIAG_QUEUEING not in ids(built(form(fast)))
 
 
 @FORMS
 def test_tool_wait_and_app_work_dominate(form: Any) -> None:
     _, tool = pair(gap_s=30.0)
-    found = diagnose(build_turn(form(tool)) or Turn("x", "x"))
+    found = diagnose(built(form(tool)))
     assert found[0].id == names.DIAG_TOOL_WAIT_DOMINATES and found[0].cost_s == pytest.approx(30.0)
     _, app = pair(gap_s=30.0, tool_wait_s=0.0)
-    top = diagnose(build_turn(form(app)) or Turn("x", "x"))[0]
+    top = diagnose(built(form(app)))[0]
     assert top.id == names.DIAG_APP_WORK_DOMINATES and "30.0s" in top.summary
     _, short = pair(gap_s=0.5)
-    assert not {names.DIAG_TOOL_WAIT_DOMINATES, names.DIAG_APP_WORK_DOMINATES} & set(
-        ids(build_turn(form(short)) or Turn("x", "x"))
-    )
+    assert not {names.DIAG_TOOL_WAIT_DOMINATES, names.DIAG_APP_WORK_DOMINATES} & set(ids(built(form(short))))
 
 
 def test_ranking_by_cost_and_json() -> None:
@@ -840,3 +844,50 @@ def test_kv_that_expired_after_the_next_turn_arrived_did_not_lapse_in_the_gap() 
     )
     found = ids(linked(_without_router(prev), _without_router(cur)), Context(per_token_s=0.001))
     assert names.DIAG_ROUTER_KEPT_NO_HANDLE in found and names.DIAG_TTL_LAPSED not in found
+
+
+@pytest.mark.parametrize(
+    ("ttft_s", "prefill_span", "fires"),
+    [
+        (0.33, (0.0, 0.05), True),  # 0.26 s unexplained, 79 % of input processing
+        (0.31, (0.0, 0.05), False),  # 0.24 s: under QUEUEING_MIN_S (0.25 s) however large its share
+        (0.56, (0.05, 0.3), True),  # 0.29 s unexplained, 52 % of input processing
+        (0.53, (0.05, 0.3), False),  # 0.26 s: over the minimum, but 49 % (under QUEUEING_MIN_SHARE)
+    ],
+)
+def test_queueing_thresholds(ttft_s: float, prefill_span: tuple[float, float], fires: bool) -> None:
+    """Pins the documented thresholds: at least 0.25 s, and at least half of input processing,
+    that the engines (prefill span + P->D wait of 0.02 s) do not account for."""
+    _, cur = pair(ttft_s=ttft_s, prefill_span=prefill_span)
+    assert (names.DIAG_QUEUEING in ids(built(cur))) is fires
+
+
+@pytest.mark.parametrize(
+    ("gap_s", "request_s", "fires"),
+    [
+        (1.05, 0.2, True),  # over DOMINATES_MIN_S (1 s) and 84 % of the turn
+        (0.9, 0.2, False),  # 82 % of the turn, but under a second
+        (2.1, 2.0, True),  # 51 % of the turn
+        (1.9, 2.0, False),  # 49 %: not more than DOMINATES_SHARE
+    ],
+)
+def test_tool_wait_and_app_work_thresholds(gap_s: float, request_s: float, fires: bool) -> None:
+    """Pins the documented thresholds of both: more than half the turn, and at least 1 s."""
+    _, tool = pair(gap_s=gap_s, request_s=request_s, ttft_s=0.1)
+    assert (names.DIAG_TOOL_WAIT_DOMINATES in ids(built(tool))) is fires
+    _, app = pair(gap_s=gap_s, request_s=request_s, ttft_s=0.1, tool_wait_s=0.0)
+    assert (names.DIAG_APP_WORK_DOMINATES in ids(built(app))) is fires
+
+
+def test_bidirectional_off_in_the_config_is_silent_when_the_turn_pulled_or_is_the_first() -> None:
+    """A decode engine that says bidirectional off while this turn still pulled (another decode
+    engine served the previous turn) is not the cause; nor on a first turn, which has nothing to
+    read back."""
+    off = {names.BIDIRECTIONAL_KV_XFER: False}
+    pulled = {names.PULL_DECISION: names.DECISION_PULL, names.PULL_REASON: names.REASON_PULLED}
+    _, cur = pair(prefill=pulled | {names.TOKENS_PULLED: 96}, decode_resource=off)
+    assert names.DIAG_BIDIRECTIONAL_OFF not in ids(built(cur))
+    first = turn_trace("conv-1", 0, decode_resource=off)
+    assert names.DIAG_BIDIRECTIONAL_OFF not in ids(built(first))
+    _, recomputed = pair(prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE}, decode_resource=off)
+    assert names.DIAG_BIDIRECTIONAL_OFF in ids(built(recomputed))
