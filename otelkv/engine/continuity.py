@@ -50,11 +50,9 @@ def _raw(token_ids: Sequence[int], n: int) -> bytes:
     return struct.pack(f"<{len(ids)}q", *ids)
 
 
-def _hashes(token_ids: Sequence[int], bounds: Sequence[tuple[int, int]]) -> Iterator[bytes]:
-    """The chained hash at the end of each chunk: the hash of every token up to that chunk's end."""
-    if not bounds:
-        return
-    raw = _raw(token_ids, bounds[-1][1])
+def _hashes(raw: bytes, bounds: Sequence[tuple[int, int]]) -> Iterator[bytes]:
+    """The chained hash at the end of each chunk of ``raw`` (token ids as :func:`_raw` packs
+    them): the hash of every token up to that chunk's end, computed lazily."""
     chain = hashlib.blake2b(digest_size=HASH_BYTES)
     for lo, hi in bounds:
         chain.update(raw[lo * 8 : hi * 8])
@@ -74,7 +72,7 @@ def digest(token_ids: Sequence[int], num_tokens: int, prompt_tokens: int) -> dic
         "chunk": CHUNK_TOKENS,
         "n": n,
         "prompt": prompt,
-        "h": base64.b64encode(b"".join(_hashes(token_ids, _bounds(n, prompt)))).decode("ascii"),
+        "h": base64.b64encode(b"".join(_hashes(_raw(token_ids, n), _bounds(n, prompt)))).decode("ascii"),
     }
 
 
@@ -143,10 +141,8 @@ def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: Any) -
         return Check(offered, bounds[last][1], None, None)
     # A mismatch: one chained pass finds the first chunk that differs (bisecting would rehash
     # from token 0 at each step, slower when the difference is late, as a re-rendered answer is).
-    chain = hashlib.blake2b(digest_size=HASH_BYTES)
-    for i, (lo, hi) in enumerate(bounds):
-        chain.update(raw[lo * 8 : hi * 8])
-        if chain.copy().digest() != hashes[i]:
+    for (lo, _), mine, theirs in zip(bounds, _hashes(raw, bounds), hashes, strict=False):
+        if mine != theirs:
             where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
             return Check(offered, lo, lo, where)
     return Check(offered, bounds[last][1], None, None)  # unreachable unless BLAKE2b disagrees with itself

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from types import SimpleNamespace
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from otelkv import names
+from otelkv.engine import continuity
 from otelkv.engine.connector import OtelKVConnector
 from otelkv.engine.messages import OtelKVStats, OtelKVWorkerMeta
 from otelkv.engine.nixl import NixlConnector
@@ -212,27 +214,25 @@ def test_inner_without_hma_is_refused_when_vllm_runs_the_hybrid_manager() -> Non
         OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
 
 
-@pytest.mark.parametrize("mode", [names.CONTINUITY_MODE_OBSERVE, names.CONTINUITY_MODE_GUARD])
-@pytest.mark.parametrize("rewritten", [False, True], ids=["prompt-extends-kv", "history-rewritten"])
-def test_only_guard_mode_changes_what_the_connector_matched_and_only_on_a_mismatch(
-    mode: str, rewritten: bool
-) -> None:
-    """The one place otelkv changes a return value: guard mode answers "nothing to load" for a
-    handle whose KV belongs to other tokens. Everything else is the inner connector's value."""
-    from types import SimpleNamespace
+HELD = list(range(100, 244))
+"""Token ids the decode node's KV covers (128 of prompt, 16 of answer)."""
+REWRITTEN = [*HELD[:7], *range(900, 1073)]
+"""A prompt that shares only 7 tokens with them: a proven mismatch."""
 
-    from otelkv.engine import continuity
 
+def _guarded_connector(
+    mode: str, prompt: list[int]
+) -> tuple[OtelKVConnector, SimpleNamespace, tuple[int, bool]]:
+    """A scheduler-role connector in ``mode``, a prefill request for ``prompt`` carrying a decode
+    handle (with digest) for KV of :data:`HELD`, and the inner connector's answer (144, True)."""
     fakes.reset()
     config = fakes.vllm_config({names.CONFIG_CONTINUITY: mode})
     connector = OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
-    held = list(range(100, 244))
     handle = {
         **fakes.DECODE_HANDLE,
-        "remote_num_tokens": len(held),
-        names.XARG_CONTINUITY: continuity.digest(held, len(held), 128),
+        "remote_num_tokens": len(HELD),
+        names.XARG_CONTINUITY: continuity.digest(HELD, len(HELD), 128),
     }
-    prompt = [*held[:7], *range(900, 1073)] if rewritten else [*held, *range(900, 936)]
     request = SimpleNamespace(
         request_id="chatcmpl-next-0badf00d",
         kv_transfer_params=handle,
@@ -244,6 +244,18 @@ def test_only_guard_mode_changes_what_the_connector_matched_and_only_on_a_mismat
     )
     connector.on_new_request(request)  # type: ignore[arg-type]
     fakes.RETURNS["get_num_new_matched_tokens"] = inner = (144, True)
+    return connector, request, inner
+
+
+@pytest.mark.parametrize("mode", [names.CONTINUITY_MODE_OBSERVE, names.CONTINUITY_MODE_GUARD])
+@pytest.mark.parametrize("rewritten", [False, True], ids=["prompt-extends-kv", "history-rewritten"])
+def test_only_guard_mode_changes_what_the_connector_matched_and_only_on_a_mismatch(
+    mode: str, rewritten: bool
+) -> None:
+    """The one place otelkv changes a return value: guard mode answers "nothing to load" for a
+    handle whose KV belongs to other tokens. Everything else is the inner connector's value."""
+    prompt = REWRITTEN if rewritten else [*HELD, *range(900, 936)]
+    connector, request, inner = _guarded_connector(mode, prompt)
     result = connector.get_num_new_matched_tokens(request, 0)  # type: ignore[arg-type]
     refused = mode == names.CONTINUITY_MODE_GUARD and rewritten
     if refused:
@@ -256,31 +268,7 @@ def test_only_guard_mode_changes_what_the_connector_matched_and_only_on_a_mismat
 def test_guard_mode_fails_open_to_what_the_inner_connector_said(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error inside the guard's check (injected here) never refuses: vLLM loads what the inner
     connector offered, and the error is counted."""
-    from types import SimpleNamespace
-
-    from otelkv.engine import continuity
-
     monkeypatch.setenv(names.ENV_FAULT_INJECT, "continuity_guard")
-    fakes.reset()
-    config = fakes.vllm_config({names.CONFIG_CONTINUITY: names.CONTINUITY_MODE_GUARD})
-    connector = OtelKVConnector(config, KVConnectorRole.SCHEDULER, fakes.kv_cache_config())
-    held = list(range(100, 244))
-    handle = {
-        **fakes.DECODE_HANDLE,
-        "remote_num_tokens": len(held),
-        names.XARG_CONTINUITY: continuity.digest(held, len(held), 128),
-    }
-    prompt = [*held[:7], *range(900, 1073)]  # a proven mismatch, were the check to run
-    request = SimpleNamespace(
-        request_id="chatcmpl-next-0badf00d",
-        kv_transfer_params=handle,
-        trace_headers=None,
-        session_id="conv-1",
-        num_prompt_tokens=len(prompt),
-        prompt_token_ids=prompt,
-        sampling_params=None,
-    )
-    connector.on_new_request(request)  # type: ignore[arg-type]
-    fakes.RETURNS["get_num_new_matched_tokens"] = inner = (144, True)
+    connector, request, inner = _guarded_connector(names.CONTINUITY_MODE_GUARD, REWRITTEN)
     assert connector.get_num_new_matched_tokens(request, 0) is inner  # type: ignore[arg-type]
     assert connector._errors.total["continuity_guard"] == 1
