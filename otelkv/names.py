@@ -293,6 +293,10 @@ TURN_INPUT_PROCESSING_SECONDS: Final = "otelkv.turn.input_processing_s"
 TURN_GENERATION_SECONDS: Final = "otelkv.turn.generation_s"
 TURN_TOTAL_SECONDS: Final = "otelkv.turn.total_s"
 """Gap plus request time: the four phases above add up to it."""
+TURN_SOCKET_WAIT_SECONDS: Final = "otelkv.turn.socket_wait_s"
+"""How long the request's bytes sat in the sidecar's socket before it read them (kernel
+receive time to read): the sidecar's own lag on a busy host. The turn starts at the kernel's
+receive time, so this is part of input processing, not of the gap before it."""
 TURN_TTFT_SOURCE: Final = "otelkv.turn.ttft_source"
 """How input processing was bounded (:data:`TTFT_SOURCES`)."""
 

@@ -127,6 +127,7 @@ class TurnRecorder:
                 names.TURN_GENERATION_SECONDS: phases.generation_s,
                 names.TURN_TOTAL_SECONDS: phases.total_s,
                 names.TURN_TTFT_SOURCE: phases.ttft_source,
+                names.TURN_SOCKET_WAIT_SECONDS: rec.socket_wait_ns / 1e9,
             }
         )
         if facts is not None:

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from otelkv import names
+from otelkv.sidecar import arrival
 
 logger = logging.getLogger("otelkv.sidecar")
 
@@ -79,6 +80,15 @@ class Request:
     headers: list[tuple[bytes, bytes]] | None = None
     body: bytes = b""
     keep_alive: bool = True
+    received_ns: int = 0
+    """When its first bytes were read: the kernel's receive time where it says, else the
+    proxy's clock then (wall clock, ns)."""
+    read_ns: int = 0
+    """The proxy's clock when it read them (``read_ns - received_ns``: time in the socket)."""
+    sent_ns: int = 0
+    """When the kernel last sent data to the client as the exchange ended (0: unknown, or
+    bytes still queued in the proxy): the response's last byte left then, even if the proxy
+    was descheduled before it could stamp the end itself."""
 
     @property
     def path(self) -> str:
@@ -322,11 +332,13 @@ class _Client(asyncio.Protocol):
         self._head_bytes: int | None = None  # bytes read while a request head is incomplete
         self._head_size = 0  # exact size of the current head's URL, names and values
         self._continue_due = False  # a 100 Continue owed once the pending responses are sent
+        self._sock: Any = None  # for the kernel's receive time of each request
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.relay.clients.add(self)
+        self._sock = arrival.socket_of(transport)
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
@@ -379,7 +391,9 @@ class _Client(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._head_bytes = 0
         self._head_size = 0
-        self._req = Request(headers=[])
+        now = time.time_ns()
+        received = arrival.received_ns(self._sock, now)
+        self._req = Request(headers=[], received_ns=received or now, read_ns=now)
         self._body = []
         self._body_len = 0
 
@@ -553,6 +567,10 @@ class _Client(asyncio.Protocol):
         exchange, self.exchange = self.exchange, None
         if exchange is None:
             return
+        req = self.current
+        if req is not None and self.transport is not None and not self.transport.get_write_buffer_size():
+            times = arrival.tcp_times_ns(self._sock, time.time_ns())
+            req.sent_ns = times[0] if times is not None and times[0] >= req.received_ns else 0
         try:
             exchange.finish(status, error)
         except Exception:

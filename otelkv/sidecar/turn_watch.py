@@ -82,6 +82,8 @@ class TurnRecord:
     history: HistoryFacts | None = None
     """This request's messages against the conversation's previous request and answer, or the
     recent turn of another conversation it continues (None: nothing to say)."""
+    socket_wait_ns: int = 0
+    """From the kernel's receive time (``arrival_ns``) to the proxy reading the request."""
 
 
 def _no_count(name: str, n: int = 1) -> None:
@@ -109,6 +111,9 @@ class _Turn:
     observer: ResponseObserver | None = None
     pending: Callable[[], Observed | None] | None = None
     """The history comparison, when deferred until the request has gone upstream."""
+    socket_wait_ns: int = 0
+    relayed: Request | None = None
+    """The relay's request: its ``sent_ns`` dates the response's last byte."""
 
     def run_pending(self) -> None:
         """Run the deferred history comparison (once; :meth:`finish` makes sure it ran)."""
@@ -144,6 +149,9 @@ class _Turn:
     def finish(self, status: int, error: str | None) -> None:
         self.run_pending()
         end_ns = time.time_ns()
+        sent_ns = self.relayed.sent_ns if self.relayed is not None else 0
+        if self.arrival_ns <= sent_ns <= end_ns:
+            end_ns = sent_ns  # when the last byte left, not when this process got to stamp it
         facts = None
         if self.observer is not None:
             try:
@@ -176,6 +184,7 @@ class _Turn:
                 operation=self.operation,
                 path=self.path,
                 arrival_ns=self.arrival_ns,
+                socket_wait_ns=self.socket_wait_ns,
                 end_ns=end_ns,
                 status=status,
                 error=error,
@@ -300,7 +309,10 @@ class TurnWatcher:
         operation = OBSERVED_PATHS.get(path)
         if operation is None:
             return None, [], body
-        arrival_ns = time.time_ns()
+        # The kernel's receive time where the relay had it: time the request sat in the
+        # socket is the client's wait, not the agent's work before the turn.
+        arrival_ns = req.received_ns or time.time_ns()
+        socket_wait_ns = max(req.read_ns - req.received_ns, 0) if req.received_ns else 0
         parsed: dict[str, Any] | None = None
         try:
             value = json.loads(body) if body else None
@@ -349,6 +361,8 @@ class TurnWatcher:
             )
         turn = _Turn(
             arrival_ns=arrival_ns,
+            socket_wait_ns=socket_wait_ns,
+            relayed=req,
             emit=self.emit,
             identity=identity,
             operation=operation,

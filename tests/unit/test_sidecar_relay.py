@@ -1324,3 +1324,42 @@ def test_unparsable_upstream_response_closes_the_client(run: Run) -> None:
             assert env.relay.pool.idle_count == 0
 
     run(scenario)
+
+
+def test_request_is_dated_by_the_kernels_receive_time(run: Run) -> None:
+    """A request that sat in the socket while the proxy's loop was busy is dated when the
+    kernel received it (the client's send time, within the kernel's jiffy), not when the
+    proxy read it: that wait is the client's, not the agent's work before the turn."""
+    import time
+
+    async def scenario() -> None:
+        observer = Recorder()
+        async with proxied(replies(lambda _: ok(b"x")), observer=observer) as env:
+            client = await env.client()
+            await client.send(get("/warm"))
+            await client.response()  # connected and idle, as between turns
+            await client.send(get("/late"))
+            sent_ns = time.time_ns()
+            time.sleep(0.3)  # the proxy's loop busy: the bytes wait in the socket
+            await client.response()
+            late = observer.requests[-1]
+            assert late.path == "/late"
+            assert abs(late.received_ns - sent_ns) < 20_000_000, (late.received_ns - sent_ns) / 1e9
+            assert late.read_ns - late.received_ns >= 280_000_000
+            # The response's last byte left the proxy's kernel before the exchange ended.
+            assert late.received_ns <= late.sent_ns <= time.time_ns()
+
+    run(scenario)
+
+
+def test_sockets_without_a_kernel_receive_time_fall_back_to_the_proxys_clock() -> None:
+    from otelkv.sidecar import arrival
+
+    a, b = socket.socketpair()  # AF_UNIX: no TCP_INFO
+    try:
+        assert arrival.received_ns(a, 123) is None
+        assert arrival.received_ns(None, 123) is None
+        assert arrival.socket_of(object()) is None
+    finally:
+        a.close()
+        b.close()
