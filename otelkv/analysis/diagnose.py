@@ -169,6 +169,9 @@ class _LateRead:
     leg: Leg
     ttl: float
     wait_s: float
+    """From the turn's arrival to the declined read (the read's own wait without a turn start)."""
+    before_engine_s: float | None
+    """... of which before the prefill node's scheduler first saw the request."""
 
 
 def _declined_expired(leg: Leg) -> bool:
@@ -181,18 +184,27 @@ def late_read(turn: Turn) -> _LateRead | None:
     """A prefill read declined as expired that the gap does not explain.
 
     The turn reached the fleet while the decode node's blocks were still readable (gap plus
-    vLLM's margin inside the TTL), yet the read was declined: it started seconds after the
-    request reached the prefill node. Seen in the demo: a 1.1 s gap, TTL 15 s, and the read
-    tried 15.1 s after the request arrived. Saying "the gap exceeded the TTL" there is wrong
-    and so is its fix (raise the TTL to cover a 1 s gap)."""
+    vLLM's margin inside the TTL), yet the read was declined: it was tried seconds after the
+    turn arrived. Seen in the demo: a 1.1 s gap, TTL 15 s, and the read tried 15.1 s after
+    the request arrived. Saying "the gap exceeded the TTL" there is wrong and so is its fix
+    (raise the TTL to cover a 1 s gap).
+
+    The wait runs from the turn's arrival (the sidecar's or router's span) to the end of the
+    declined read, so it holds wherever the time went: a prefill scheduler that reached the
+    request late (busy or stalled: the time is before the engine's span) or a KV thread that
+    started the read late (inside it). Without a turn start it is the read's own wait."""
     leg = turn.prefill
     ttl = turn.decoder_ttl_s()
     if leg is None or ttl is None or not _declined_expired(leg):
         return None
     if turn.gap_s + READ_EXPIRY_MARGIN_S >= ttl:
         return None
+    t = leg.transfer
+    if t is not None and turn.start_ns and t.end_ns > turn.start_ns:
+        before = (leg.start_ns - turn.start_ns) / 1e9 if leg.start_ns >= turn.start_ns else None
+        return _LateRead(leg, ttl, (t.end_ns - turn.start_ns) / 1e9, before)
     wait = pull_seconds(leg)
-    return _LateRead(leg, ttl, wait) if wait else None
+    return _LateRead(leg, ttl, wait, None) if wait else None
 
 
 # ------------------------------------------------------------------ failures
@@ -223,7 +235,7 @@ def check_expired_read_failed(turn: Turn, ctx: Context) -> Diagnosis | None:
         if late is not None:
             evidence["wait_before_read_s"] = _r(late.wait_s)
             ttl_text = (
-                f": it started the read {late.wait_s:.1f}s after the request reached it (the gap was "
+                f": it tried the read {late.wait_s:.1f}s after the turn arrived (the gap was "
                 f"only {turn.gap_s:.1f}s of a {late.ttl:g}s TTL), within {READ_EXPIRY_MARGIN_S:g}s of "
                 "the blocks' deadline"
             )
@@ -430,14 +442,21 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
         "router_handle": turn.router.handle if turn.router else None,
         "tokens_recomputed": tokens,
     }
-    if ttl is not None:
+    if ttl is not None and turn.gap_s < ttl:
+        # Declined inside vLLM's margin: the blocks were still held, but too close to their end.
+        head = (
+            f"The {turn.gap_s:.1f}s gap before this turn came within vLLM's {READ_EXPIRY_MARGIN_S:g}s "
+            f"read margin of decoder_kv_blocks_ttl={ttl:g}s, so the read was declined as expired"
+        )
+    elif ttl is not None:
         head = f"The {turn.gap_s:.1f}s gap before this turn exceeded decoder_kv_blocks_ttl={ttl:g}s"
     else:
         head = f"The decode node's KV expired during the {turn.gap_s:.1f}s gap before this turn"
     held = f"; blocks were held {ret.held_s:.1f}s then freed unread" if ret and ret.held_s is not None else ""
     fix = (
         f"Raise decoder_kv_blocks_ttl (kv_connector_extra_config of the decode node's --kv-transfer-config) "
-        f"to about {suggest_ttl(turn.gap_s)}s to bridge gaps like this one, if the memory is there "
+        f"to about {suggest_ttl(turn.gap_s + READ_EXPIRY_MARGIN_S)}s to bridge gaps like this one (vLLM "
+        f"declines reads from {READ_EXPIRY_MARGIN_S:g}s before the deadline), if the memory is there "
         f"(cost: blocks x seconds held; see otelkv_kv_retention_block_seconds); keep the router's handle "
         "TTL at or below it. Or shorten the agent's wait between turns."
     )
@@ -464,6 +483,7 @@ def check_late_read(turn: Turn, ctx: Context) -> Diagnosis | None:
     evidence = {
         "gap_s": _r(turn.gap_s),
         "wait_before_read_s": _r(late.wait_s),
+        "before_engine_s": _r(late.before_engine_s),
         "decoder_kv_blocks_ttl_s": _r(late.ttl),
         "read_margin_s": READ_EXPIRY_MARGIN_S,
         "outcome": leg.outcome,
@@ -472,16 +492,20 @@ def check_late_read(turn: Turn, ctx: Context) -> Diagnosis | None:
         "tokens_recomputed": None if failed else tokens,
     }
     then = "the request failed" if failed else f"prefill recomputed {tokens} tokens"
+    where = ""
+    if late.before_engine_s is not None:
+        where = f" ({late.before_engine_s:.1f}s of it before its scheduler saw the request)"
     return Diagnosis(
         names.DIAG_KV_READ_STARTED_LATE,
         title(names.DIAG_KV_READ_STARTED_LATE),
         f"The turn arrived {turn.gap_s:.1f}s after the previous one, well inside "
         f"decoder_kv_blocks_ttl={late.ttl:g}s, but the prefill node only tried the read "
-        f"{late.wait_s:.1f}s later, within {READ_EXPIRY_MARGIN_S:g}s of the deadline; vLLM declined "
-        f"it and {then}.",
+        f"{late.wait_s:.1f}s later{where}, within {READ_EXPIRY_MARGIN_S:g}s of the deadline; vLLM "
+        f"declined it and {then}.",
         evidence,
-        "The KV was there when the turn arrived; the time went inside the prefill node before the "
-        "read started (its scheduler busy, or its KV thread starved of CPU). Check the prefill "
+        "The KV was there when the turn arrived; the time went on the way to the read: before the "
+        "prefill node's scheduler took the request (router or engine queue, a stalled engine) or "
+        "inside it (its KV thread starved of CPU). Check the prefill "
         "node's CPU headroom and queue (vllm:num_requests_waiting, vllm:nixl_post_time_seconds); on "
         "a CPU host with several engines, give each engine's NIXL thread a core of its own (vLLM "
         "pins it to the last core of the NUMA node, the same one for every engine). A longer TTL "

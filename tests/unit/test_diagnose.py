@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from otelkv import names
-from otelkv.analysis.diagnose import Context, diagnose
+from otelkv.analysis.diagnose import Context, diagnose, suggest_ttl
 from otelkv.analysis.linker import load_turns
 from otelkv.analysis.model import SOURCE_AGENT, SOURCE_ENGINE, SOURCE_SIDECAR, Turn, build_turn
 from otelkv.analysis.sources import InMemorySource
@@ -57,6 +57,7 @@ def turn_trace(
     router: dict[str, Any] | None = None,
     prefill: dict[str, Any] | None = None,
     prefill_transfer: dict[str, Any] | None = None,
+    prefill_transfer_s: float = 0.02,
     prefill_span: tuple[float, float] = (0.05, 0.3),
     prefill_resource: dict[str, Any] | None = None,
     decode: dict[str, Any] | None = None,
@@ -189,7 +190,7 @@ def turn_trace(
                 "kv_transfer D->P",
                 "Internal",
                 p_start,
-                p_start + S // 50,
+                p_start + int(prefill_transfer_s * S),
                 t_attrs,
                 p_span.resource,
                 scope_name=names.SCOPE_ENGINE,
@@ -436,7 +437,7 @@ def test_ttl_lapsed(form: Any) -> None:
     assert d.evidence["gap_s"] == 20.0 and d.evidence["decoder_kv_blocks_ttl_s"] == 12.0
     assert d.evidence["over_by_s"] == 8.0 and d.evidence["previous_retention_outcome"] == "expired"
     assert "20.0s gap" in d.summary and "12s" in d.summary
-    assert "decoder_kv_blocks_ttl" in d.fix and "25s" in d.fix
+    assert "decoder_kv_blocks_ttl" in d.fix and "35s" in d.fix  # covers the gap plus the 5 s read margin
     assert d.cost_s == pytest.approx(0.3)
     assert names.DIAG_ROUTER_HANDLE_EXPIRED not in found  # the KV really was gone
     # Declined-expired read alone also says so.
@@ -614,9 +615,13 @@ def test_kv_read_started_late(form: Any) -> None:
         f"{role}_resource": engine_resource(role, **{names.DECODER_KV_BLOCKS_TTL: 15.0})
         for role in (names.ROLE_PREFILL, names.ROLE_DECODE)
     }
+    # The read was declined 15.09 s after the turn arrived: 0.05 s to reach the prefill
+    # node's scheduler, 15.04 s there before the read.
     prev, cur = pair(
         gap_s=1.1,
         request_s=16.0,
+        prefill_span=(0.05, 15.2),
+        prefill_transfer_s=15.04,
         prev_kw={
             "retention": {
                 names.RETENTION_OUTCOME: names.RETENTION_EXPIRED,
@@ -634,10 +639,11 @@ def test_kv_read_started_late(form: Any) -> None:
     assert names.DIAG_TTL_LAPSED not in found
     d = found[names.DIAG_KV_READ_STARTED_LATE]
     assert d.evidence["wait_before_read_s"] == pytest.approx(15.09) and d.evidence["gap_s"] == 1.1
+    assert d.evidence["before_engine_s"] == pytest.approx(0.05)
     assert d.evidence["decoder_kv_blocks_ttl_s"] == 15.0 and d.cost_s == pytest.approx(15.09)
     assert "only tried the read 15.1s later" in d.summary and "the request failed" in d.summary
     failed = found[names.DIAG_EXPIRED_READ_FAILED]
-    assert "15.1s after the request reached it" in failed.summary and "gap was only 1.1s" in failed.summary
+    assert "15.1s after the turn arrived" in failed.summary and "gap was only 1.1s" in failed.summary
     assert failed.evidence["wait_before_read_s"] == pytest.approx(15.09)
     # A declined read whose request did not fail (spans as a recompute would leave them): still
     # named, no failure.
@@ -891,3 +897,315 @@ def test_bidirectional_off_in_the_config_is_silent_when_the_turn_pulled_or_is_th
     assert names.DIAG_BIDIRECTIONAL_OFF not in ids(built(first))
     _, recomputed = pair(prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE}, decode_resource=off)
     assert names.DIAG_BIDIRECTIONAL_OFF in ids(built(recomputed))
+
+
+# ------------------------------------------------------------------ boundaries of the numeric rules
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "request_s", "fires"),
+    [
+        (0.99, 2.0, False),  # under SLOW_HANDOFF_MIN_S (1 s), though half the request
+        (1.0, 2.0, True),  # exactly the minimum
+        (1.01, 2.0, True),
+        (1.5, 6.1, False),  # over the minimum, but 24.6 % of the request: under SLOW_HANDOFF_SHARE
+        (1.5, 6.0, True),  # exactly a quarter of the request
+        (1.5, 5.9, True),
+    ],
+)
+def test_slow_handoff_thresholds(wait_s: float, request_s: float, fires: bool) -> None:
+    """Pins the documented thresholds: a P->D wait of at least 1 s and at least a quarter of the
+    request (arrival to last token)."""
+    spans = turn_trace(
+        index=0, stream=False, request_s=request_s, decode_transfer={names.TRANSFER_WAIT_SECONDS: wait_s}
+    )
+    assert (names.DIAG_SLOW_KV_HANDOFF in ids(built(spans))) is fires
+
+
+@pytest.mark.parametrize(
+    ("transfer_outcome", "request_outcome", "slow"),
+    [
+        (names.TRANSFER_OK, names.OUTCOME_FINISHED, True),
+        (names.TRANSFER_FAILED, names.OUTCOME_FAILED_KV_LOAD, False),  # kv_transfer_failed's
+        (names.TRANSFER_FAILED, names.OUTCOME_FINISHED, False),
+    ],
+)
+def test_a_failed_handoff_is_not_a_slow_one(transfer_outcome: str, request_outcome: str, slow: bool) -> None:
+    """A 30 s P->D wait of a 31 s request qualifies on its numbers; a transfer that failed is
+    kv_transfer_failed's, however long it waited."""
+    spans = turn_trace(
+        index=0,
+        stream=False,
+        request_s=31.0,
+        decode={names.REQUEST_OUTCOME: request_outcome},
+        decode_transfer={names.TRANSFER_OUTCOME: transfer_outcome, names.TRANSFER_WAIT_SECONDS: 30.0},
+    )
+    found = ids(built(spans))
+    assert (names.DIAG_SLOW_KV_HANDOFF in found) is slow
+    assert (names.DIAG_TRANSFER_FAILED in found) is not slow
+
+
+def _ttl_resources(ttl_s: float) -> dict[str, dict[str, Any]]:
+    """turn_trace keywords: both engines configured with decoder_kv_blocks_ttl=ttl_s."""
+    return {
+        f"{role}_resource": {names.DECODER_KV_BLOCKS_TTL: ttl_s}
+        for role in (names.ROLE_PREFILL, names.ROLE_DECODE)
+    }
+
+
+_DECLINED = {names.PULL_REASON: names.REASON_DECLINED_EXPIRED, names.PULL_DECISION: names.DECISION_PULL}
+_LATE_READ = {names.TRANSFER_OUTCOME: names.TRANSFER_DECLINED_EXPIRED, names.TRANSFER_WAIT_SECONDS: 15.09}
+
+
+@pytest.mark.parametrize(
+    ("gap_s", "late"),
+    [
+        (9.99, True),  # gap + 5 s = 14.99 s, inside the 15 s TTL: the read started late
+        (10.0, False),  # gap + READ_EXPIRY_MARGIN_S (5 s) reaches the TTL: the gap's fault
+        (10.1, False),
+    ],
+)
+def test_read_expiry_margin(gap_s: float, late: bool) -> None:
+    """Pins READ_EXPIRY_MARGIN_S: a read declined as expired is kv_read_started_late while the
+    gap plus vLLM's 5 s margin stays under decoder_kv_blocks_ttl, ttl_lapsed_during_gap from
+    there on; never both."""
+    _, cur = pair(gap_s=gap_s, prefill=_DECLINED, prefill_transfer=_LATE_READ, **_ttl_resources(15.0))
+    found = {d.id: d for d in diagnose(built(cur))}
+    assert (names.DIAG_KV_READ_STARTED_LATE in found) is late
+    assert (names.DIAG_TTL_LAPSED in found) is not late
+    if not late:
+        # Declined inside the margin, not past the TTL: the summary must not claim the gap
+        # exceeded it, and the suggested TTL covers the gap plus the margin.
+        lapsed = found[names.DIAG_TTL_LAPSED]
+        assert "within vLLM's 5s read margin of decoder_kv_blocks_ttl=15s" in lapsed.summary
+        assert "exceeded" not in lapsed.summary and "to about 20s" in lapsed.fix
+
+
+@pytest.mark.parametrize(
+    ("gap_s", "lapsed"),
+    [
+        (11.9, False),  # the retention ended expired, but after the turn arrived
+        (12.0, True),  # the gap reached the retention's 12 s TTL
+        (12.1, True),
+    ],
+)
+def test_an_expired_retention_lapsed_in_the_gap_only_from_its_ttl(gap_s: float, lapsed: bool) -> None:
+    """Pins _Lapse.expired: an expired retention is a TTL lapse only when the gap reached its
+    ttl_s; short of that the router kept no handle (no router span, decode not streamed)."""
+    decode = {names.KV_PARAMS_RETURNED: True, names.REQUEST_STREAMED: False}
+    prefill = {names.PULL_REASON: names.REASON_NO_DECODE_HANDLE, names.PULL_DECISION: "recompute"}
+    retention = {names.RETENTION_OUTCOME: names.RETENTION_EXPIRED, names.RETENTION_TTL_SECONDS: 12.0}
+    prev, cur = pair(gap_s=gap_s, prev_kw={"decode": decode, "retention": retention}, prefill=prefill)
+    found = ids(linked(_without_router(prev), _without_router(cur)), Context(per_token_s=0.001))
+    assert (names.DIAG_TTL_LAPSED in found) is lapsed
+    assert (names.DIAG_ROUTER_KEPT_NO_HANDLE in found) is not lapsed
+
+
+@pytest.mark.parametrize(
+    ("gap_s", "dropped"),
+    [
+        (11.9, True),  # under the decode node's 12 s TTL: the router dropped a live handle
+        (12.0, False),  # the gap reached decoder_kv_blocks_ttl: the KV was gone, stale was right
+        (12.1, False),
+    ],
+)
+def test_router_dropped_handle_only_under_the_decoder_ttl(gap_s: float, dropped: bool) -> None:
+    """Pins _Lapse.over (gap >= decoder_kv_blocks_ttl) as check_router_dropped and
+    check_ttl_lapsed read it. The previous decode recorded no retention, so the gap alone decides."""
+    prev, cur = pair(
+        gap_s=gap_s,
+        router={names.ROUTER_HANDLE: names.ROUTER_HANDLE_STALE, names.ROUTER_HANDLE_AGE_SECONDS: gap_s},
+        prefill={names.PULL_REASON: names.REASON_NO_DECODE_HANDLE},
+    )
+    turn = linked(prev, cur)
+    assert turn.previous is not None and turn.previous.decode is not None
+    assert turn.previous.decode.retention is None and turn.decoder_ttl_s() == 12.0
+    found = ids(turn)
+    assert (names.DIAG_ROUTER_HANDLE_EXPIRED in found) is dropped
+    assert (names.DIAG_TTL_LAPSED in found) is not dropped
+
+
+@pytest.mark.parametrize(
+    ("reason", "fires"),
+    [
+        (names.REASON_BELOW_THRESHOLD, True),
+        (names.REASON_NOTHING_BEYOND_LOCAL_HIT, False),
+        (names.REASON_NO_DECODE_HANDLE, False),
+        (names.REASON_PULLED, False),
+    ],
+)
+def test_below_threshold_only_for_its_reason(reason: str, fires: bool) -> None:
+    """Only a prefill leg whose pull reason is below_threshold; the evidence is the leg's own
+    reusable tokens and threshold (the request's 48, not the engine's default 64)."""
+    prefill = {
+        names.PULL_REASON: reason,
+        names.TOKENS_REMOTE_REUSABLE: 32,
+        names.TOKENS_COMPUTED: 40,
+        names.TOKENS_LOCAL_CACHE_HIT: 260,
+        names.KV_RECOMPUTE_THRESHOLD: 48,
+    }
+    _, cur = pair(prefill=prefill)
+    found = {d.id: d for d in diagnose(built(cur), Context(per_token_s=0.001))}
+    assert (names.DIAG_BELOW_THRESHOLD in found) is fires
+    if fires:
+        d = found[names.DIAG_BELOW_THRESHOLD]
+        assert d.evidence["remote_reusable_tokens"] == 32 and d.evidence["kv_recompute_threshold"] == 48
+        assert d.evidence["tokens_computed"] == 40
+        assert "Only 32 reusable tokens" in d.summary and "kv_recompute_threshold=48" in d.summary
+        assert d.cost_s == pytest.approx(0.032)
+
+
+_PER_TOKEN_S = 2.0**-10
+"""Seconds per computed token: 256 tokens recompute in exactly 0.25 s (no float rounding)."""
+_PULLED_256 = {
+    names.PULL_DECISION: names.DECISION_PULL,
+    names.PULL_REASON: names.REASON_PULLED,
+    names.TOKENS_PULLED: 256,
+    names.TOKENS_COMPUTED: 44,
+}
+
+
+@pytest.mark.parametrize(
+    ("pull_s", "fires"),
+    [
+        (0.2499, False),
+        (0.25, False),  # exactly the recompute estimate (256 x per_token_s): not slower
+        (0.2501, True),
+    ],
+)
+def test_pull_slower_than_recompute_boundary(pull_s: float, fires: bool) -> None:
+    """Pins the rule: a pull counts only when it took longer than recomputing the pulled tokens."""
+    _, cur = pair(prefill=_PULLED_256, prefill_transfer={names.TRANSFER_WAIT_SECONDS: pull_s})
+    found = {d.id: d for d in diagnose(built(cur), Context(per_token_s=_PER_TOKEN_S))}
+    assert (names.DIAG_PULL_SLOWER_THAN_RECOMPUTE in found) is fires
+    if fires:
+        d = found[names.DIAG_PULL_SLOWER_THAN_RECOMPUTE]
+        assert d.evidence["recompute_estimate_s"] == 0.25 and d.cost_s == pytest.approx(0.0001)
+
+
+def test_pull_slower_than_recompute_needs_a_compute_rate_and_a_transfer_that_worked() -> None:
+    """The just-slower pull of the boundary test: no diagnosis without a per-token compute
+    time, nor when its transfer did not end ok."""
+    slow = {names.TRANSFER_WAIT_SECONDS: 0.2501}
+    _, cur = pair(prefill=_PULLED_256, prefill_transfer=slow)
+    turn = built(cur)
+    assert names.DIAG_PULL_SLOWER_THAN_RECOMPUTE in ids(turn, Context(per_token_s=_PER_TOKEN_S))
+    assert names.DIAG_PULL_SLOWER_THAN_RECOMPUTE not in ids(turn, Context())
+    assert names.DIAG_PULL_SLOWER_THAN_RECOMPUTE not in ids(turn, Context(per_token_s=0.0))
+    for outcome in names.TRANSFER_OUTCOMES:
+        if outcome == names.TRANSFER_OK:
+            continue
+        _, bad = pair(prefill=_PULLED_256, prefill_transfer={**slow, names.TRANSFER_OUTCOME: outcome})
+        found = ids(built(bad), Context(per_token_s=_PER_TOKEN_S))
+        assert names.DIAG_PULL_SLOWER_THAN_RECOMPUTE not in found, outcome
+
+
+@pytest.mark.parametrize(
+    ("gap_s", "ttl_s"),
+    [
+        (8.0, 10),  # 1.25 x the gap = 10 s: a multiple of 5 s stays
+        (8.01, 15),  # 10.01 s: the next 5 s
+        (48.0, 60),  # 60 s: the last value of the 5 s steps
+        (48.04, 90),  # 60.05 s: 30 s steps from there
+        (72.0, 90),
+        (72.04, 120),
+        (480.0, 600),  # 600 s: the last value of the 30 s steps
+        (480.04, 900),  # 600.05 s: 300 s steps from there
+        (960.0, 1200),
+        (960.04, 1500),
+    ],
+)
+def test_suggest_ttl_steps(gap_s: float, ttl_s: int) -> None:
+    """Pins suggest_ttl: 1.25 x the gap, rounded up to 5 s up to 60 s, to 30 s up to 600 s,
+    to 300 s beyond."""
+    assert suggest_ttl(gap_s) == ttl_s
+
+
+@pytest.mark.parametrize(
+    ("role", "request_outcome", "transfer_outcome", "remote_wait_s", "stuck"),
+    [
+        (names.ROLE_DECODE, names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV, names.TRANSFER_STUCK, 30.0, True),
+        # Either signal alone: a request aborted while its read was stuck, a stuck request whose
+        # read was abandoned.
+        (names.ROLE_DECODE, names.OUTCOME_ABORTED, names.TRANSFER_STUCK, 30.0, True),
+        (names.ROLE_PREFILL, names.OUTCOME_STUCK_WAITING_FOR_REMOTE_KV, names.TRANSFER_ABANDONED, None, True),
+        # The same long wait that ended: slow, not stuck.
+        (names.ROLE_DECODE, names.OUTCOME_FINISHED, names.TRANSFER_OK, 30.0, False),
+        (names.ROLE_PREFILL, names.OUTCOME_FINISHED, names.TRANSFER_OK, None, False),
+    ],
+)
+def test_stuck_waiting_for_remote_kv_signals(
+    role: str, request_outcome: str, transfer_outcome: str, remote_wait_s: float | None, stuck: bool
+) -> None:
+    """Stuck on the request's outcome or the transfer's; the wait is the engine's remote-KV wait,
+    else the transfer's; the cost at least the whole request."""
+    leg: dict[str, Any] = {names.REQUEST_OUTCOME: request_outcome}
+    if remote_wait_s is not None:
+        leg[names.REMOTE_KV_WAIT_SECONDS] = remote_wait_s
+    transfer = {names.TRANSFER_OUTCOME: transfer_outcome, names.TRANSFER_WAIT_SECONDS: 25.0}
+    if role == names.ROLE_DECODE:
+        _, cur = pair(request_s=40.0, ttft_s=39.0, decode=leg, decode_transfer=transfer)
+    else:
+        _, cur = pair(request_s=40.0, ttft_s=39.0, prefill={**_PULLED_256, **leg}, prefill_transfer=transfer)
+    found = {d.id: d for d in diagnose(built(cur))}
+    assert (names.DIAG_STUCK_WAITING_FOR_REMOTE_KV in found) is stuck
+    if stuck:
+        d = found[names.DIAG_STUCK_WAITING_FOR_REMOTE_KV]
+        assert d.evidence["role"] == role and d.evidence["transfer_outcome"] == transfer_outcome
+        assert d.evidence["remote_kv_wait_s"] == (remote_wait_s or 25.0)
+        assert d.cost_s == pytest.approx(40.0)  # the request, longer than its wait
+        assert "VLLM_NIXL_ABORT_REQUEST_TIMEOUT" in d.fix and "side channel" in d.fix
+
+
+@pytest.mark.parametrize(
+    ("policy", "evidence_policy", "text"),
+    [
+        ("fail", "fail", "kv_load_failure_policy=fail"),
+        ("recompute", "recompute", "kv_load_failure_policy=recompute"),
+        ("", None, "kv_load_failure_policy=fail"),  # unset: vLLM's default
+    ],
+)
+def test_expired_read_failed_names_the_policy(policy: str, evidence_policy: str | None, text: str) -> None:
+    _, cur = pair(
+        gap_s=15.0,
+        prefill={**_DECLINED, names.REQUEST_OUTCOME: names.OUTCOME_FAILED_KV_LOAD},
+        prefill_transfer={names.TRANSFER_OUTCOME: names.TRANSFER_DECLINED_EXPIRED},
+        prefill_resource={names.KV_LOAD_FAILURE_POLICY: policy},
+        status="Error",
+        turn={names.HTTP_STATUS: 500},
+    )
+    d = diagnose(built(cur))[0]
+    assert d.id == names.DIAG_EXPIRED_READ_FAILED
+    assert d.evidence["kv_load_failure_policy"] == evidence_policy and text in d.summary
+    assert "(gap 15.0s vs TTL 12s)" in d.summary
+
+
+@pytest.mark.parametrize(
+    ("reason", "transfer_outcome", "request_outcome", "expired_read"),
+    [
+        (names.REASON_DECLINED_EXPIRED, names.TRANSFER_DECLINED_EXPIRED, names.OUTCOME_FAILED_KV_LOAD, True),
+        # A read declined as expired that the transfer recorded as failed is still an expired read.
+        (names.REASON_DECLINED_EXPIRED, names.TRANSFER_FAILED, names.OUTCOME_FAILED_KV_LOAD, True),
+        # A broken transfer failing the request: kv_transfer_failed's.
+        (names.REASON_TRANSFER_FAILED, names.TRANSFER_FAILED, names.OUTCOME_FAILED_KV_LOAD, False),
+        # The expired read that did not fail the request (it recomputed).
+        (names.REASON_DECLINED_EXPIRED, names.TRANSFER_DECLINED_EXPIRED, names.OUTCOME_FINISHED, False),
+    ],
+)
+def test_expired_read_failed_versus_transfer_failed(
+    reason: str, transfer_outcome: str, request_outcome: str, expired_read: bool
+) -> None:
+    _, cur = pair(
+        gap_s=15.0,
+        prefill={
+            names.PULL_DECISION: names.DECISION_PULL,
+            names.PULL_REASON: reason,
+            names.REQUEST_OUTCOME: request_outcome,
+        },
+        prefill_transfer={names.TRANSFER_OUTCOME: transfer_outcome},
+        status="Error" if request_outcome != names.OUTCOME_FINISHED else "Unset",
+    )
+    found = ids(built(cur))
+    assert (names.DIAG_EXPIRED_READ_FAILED in found) is expired_read
+    if reason == names.REASON_TRANSFER_FAILED:
+        assert names.DIAG_TRANSFER_FAILED in found
