@@ -33,6 +33,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from otelkv import names
+from otelkv.sidecar import arrival
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class Turn:
     """Before this turn the app replaces its first user message with this text (an edited
     message, a compacted history), under the same conversation id: the history no longer
     matches the KV the decode node holds for the previous turn."""
+    before_send: Callable[[], Any] | None = None
+    """Called right before the request is sent, after the pause (a scenario stalls an
+    engine here, so the request meets it stalled)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,16 @@ class TurnResult:
     text: str = ""
     error: str | None = None
     started_unix: float = 0.0
+    """The client's wall clock just before it handed the request to its HTTP client."""
+    done_unix: float = 0.0
+    """... and when it had read the response's last byte (or given up)."""
+    sent_kernel_unix: float | None = None
+    """When the client's kernel sent the request's last bytes (``TCP_INFO``), free of the
+    client process's own scheduling delays; None where the platform does not say."""
+    done_kernel_unix: float | None = None
+    """When the client's kernel received the response's last bytes (likewise)."""
+    pause_unix: tuple[float, float] | None = None
+    """When the pause before this turn (tool call or app work) began and ended, client clock."""
     interrupted: bool = False
     """The driver hung up mid-stream on purpose (``Turn.interrupt_after``): still ``ok``."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -120,8 +134,13 @@ class AgentDriver:
         for index, turn in enumerate(conversation.turns):
             # Unique like a model's call ids: the sidecar matches tool spans by them.
             call_id = f"call_{secrets.token_hex(8)}"
+            paused = None
             if turn.pause_s > 0:
+                began = time.time()
                 await self._pause(conversation, turn, call_id)
+                paused = (began, time.time())
+            if turn.before_send is not None:
+                turn.before_send()
             if turn.rewrite_first_user is not None:
                 first = next((m for m in messages if m["role"] == "user"), None)
                 if first is not None:
@@ -134,6 +153,7 @@ class AgentDriver:
             else:
                 messages.append({"role": "user", "content": turn.user})
             result = await self._turn(conversation, index, turn, messages, session)
+            result.pause_unix = paused
             results.append(result)
             if not result.ok:
                 break
@@ -212,6 +232,10 @@ class AgentDriver:
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as resp:
                 result.status = resp.status
+                # The socket the response came on (aiohttp may already have pooled the
+                # connection, so through the body's reader; None if that ever changes).
+                protocol = getattr(resp.content, "_protocol", None)
+                sock = arrival.socket_of(getattr(protocol, "transport", None))
                 if resp.status != 200:
                     result.error = (await resp.text())[:500]
                 elif stream:
@@ -223,9 +247,13 @@ class AgentDriver:
                     usage = data.get("usage") or {}
                     result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     result.completion_tokens = int(usage.get("completion_tokens") or 0)
+                times = arrival.tcp_times_ns(sock, time.time_ns())
+                if times is not None:
+                    result.sent_kernel_unix, result.done_kernel_unix = times[0] / 1e9, times[1] / 1e9
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         result.latency_s = time.perf_counter() - started
+        result.done_unix = time.time()
         if span is not None:
             span.set_attributes(
                 {

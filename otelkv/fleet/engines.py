@@ -258,6 +258,31 @@ class Engine:
             f"{self.spec.engine_id} not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}"
         )
 
+    def freeze(self, *, only: str | None = None) -> None:
+        """Stop the engine's processes (SIGSTOP): a host that stalls, as under memory
+        pressure or a debugger. Its sockets stay open; peers just wait.
+
+        ``only``: stop just the processes whose command line contains it, e.g.
+        ``"EngineCore"``: the API server keeps accepting requests, the scheduler and the
+        worker (and with them the NIXL agent) stall."""
+        if self._proc is None:
+            return
+        if only is None:
+            _signal_group(self._proc, signal.SIGSTOP)
+            return
+        for pid in _descendants(self._proc.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if only.encode() in cmdline:
+                    os.kill(pid, signal.SIGSTOP)
+            except (OSError, ProcessLookupError):
+                continue
+
+    def thaw(self) -> None:
+        """Let a frozen engine run again (SIGCONT to its group)."""
+        if self._proc is not None:
+            _signal_group(self._proc, signal.SIGCONT)
+
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
             return resp.read().decode()
@@ -265,6 +290,7 @@ class Engine:
     def stop(self, timeout: float = 20.0) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
+            _signal_group(proc, signal.SIGCONT)  # a frozen engine cannot act on SIGTERM
             _signal_group(proc, signal.SIGTERM)
             try:
                 proc.wait(timeout)
@@ -294,6 +320,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """The process's children, their children, ... (Linux ``/proc``)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in task.read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:

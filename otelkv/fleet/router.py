@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,9 @@ class PDRouter:
         self.tracer = tracer or trace.NoOpTracer()
         self.engine_host = engine_host
         self.stats = RouterStats()
+        self.between_legs: Callable[[], None] | None = None
+        """Called (in the router's loop) after a prefill leg succeeded and before its decode
+        leg: tests use it to stall an engine at exactly that point."""
         self.port: int | None = None
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -301,6 +305,8 @@ class PDRouter:
             self.stats.prefill_errors += 1
             return _leg_failed(names.ROLE_PREFILL, status, prefill, span)
 
+        if self.between_legs is not None:
+            self.between_legs()
         decode_body = dict(body)
         p_kv = prefill.get("kv_transfer_params")
         if p_kv:

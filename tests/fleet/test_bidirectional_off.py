@@ -8,6 +8,7 @@ otelkv reports it as stuck once ``otelkv_stuck_after_s`` has passed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import urllib.error
@@ -17,15 +18,20 @@ from collections.abc import Iterator
 import pytest
 
 from otelkv import names
+from otelkv.analysis import report
+from otelkv.analysis.sources import InMemorySource
 from otelkv.fleet import metrics as prom
 from otelkv.fleet.agent import Conversation, Turn, TurnResult
 from otelkv.fleet.fleet import Fleet, FleetConfig
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import children, engine_request, wait_for_turn
+from tests.schema import assert_valid
 
 pytestmark = pytest.mark.fleet
 
 STUCK_AFTER_S = 4.0
+BLOCK_TOKENS = 32
+"""The fleet's KV block size: the prefill node's prefix cache holds whole blocks."""
 
 CONVERSATION = Conversation(
     "conv-off",
@@ -74,6 +80,33 @@ def test_no_pulls_and_no_decode_handle(fleet: Fleet, turns: list[TurnResult]) ->
         router = next(s for s in spans if s.name.startswith("router chat"))
         assert router.attributes[names.ROUTER_HANDLE] == names.ROUTER_HANDLE_MISS
     assert fleet.router.stats.handles_stored == 0
+
+
+def test_why_names_bidirectional_off_with_both_sides_and_the_recomputed_tokens(
+    fleet: Fleet, turns: list[TurnResult]
+) -> None:
+    """What ``otelkv why`` says of the later turns: bidirectional_off, from the engines' own
+    config, with the tokens the prefill node recomputed: the client's prompt (its usage) less
+    the whole blocks its prefix cache held. (Without the sidecar nothing links a turn to its
+    predecessor, so what the decode node held is not known here.)"""
+    assert fleet.sink is not None
+    for turn in turns:
+        wait_for_turn(fleet.sink, turn.trace_id)
+    time.sleep(0.5)  # the router's and driver's spans are exported every 0.2 s
+    source = InMemorySource(fleet.sink.spans())
+    for previous, turn in itertools.pairwise(turns):
+        assert previous.ok
+        answer = assert_valid(report.why(source, turn.trace_id))["turn"]
+        found = {d["id"]: d for d in answer["diagnoses"]}
+        assert names.DIAG_BIDIRECTIONAL_OFF in found, answer["diagnoses"]
+        e = found[names.DIAG_BIDIRECTIONAL_OFF]["evidence"]
+        assert e["prefill_bidirectional_kv_xfer"] is False and e["decode_bidirectional_kv_xfer"] is False
+        assert e["pull_reason"] == names.REASON_NO_DECODE_HANDLE
+        cached = answer["prefill"]["tokens"]["local_cache"]
+        assert cached == previous.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS
+        assert e["tokens_recomputed"] == turn.prompt_tokens - cached, (turn.prompt_tokens, cached, e)
+        # Not blamed on the decode node's missing handle: that is what "off" means.
+        assert names.DIAG_DECODE_NO_HANDLE not in found
 
 
 def test_metrics_show_no_pulls(fleet: Fleet, turns: list[TurnResult]) -> None:
@@ -131,6 +164,16 @@ def test_handle_sent_to_a_prefill_node_without_bidirectional_is_reported_stuck(f
     assert prefill.status_code == "Error" and "WAITING_FOR_REMOTE_KVS" in prefill.status_message
     (wait,) = children(spans, prefill, "kv_transfer")
     assert wait.attributes[names.TRANSFER_OUTCOME] == names.TRANSFER_STUCK
+
+    # otelkv why names it, with the wait the engine reported, and ranks it first.
+    answer = assert_valid(report.why(InMemorySource(spans), trace_id))["turn"]
+    stuck = answer["diagnoses"][0]
+    assert stuck["id"] == names.DIAG_STUCK_WAITING_FOR_REMOTE_KV, answer["diagnoses"]
+    assert stuck["evidence"]["role"] == names.ROLE_PREFILL
+    assert stuck["evidence"]["transfer_outcome"] == names.TRANSFER_STUCK
+    # otelkv_stuck_after_s is what the scenario set; the request was still waiting then.
+    assert STUCK_AFTER_S <= stuck["evidence"]["remote_kv_wait_s"] <= STUCK_AFTER_S + 2.0
+    assert names.DIAG_BIDIRECTIONAL_OFF in {d["id"] for d in answer["diagnoses"]}
 
     # The engine keeps serving other requests.
     ok = urllib.request.Request(

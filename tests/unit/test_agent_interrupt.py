@@ -112,3 +112,22 @@ def test_a_turn_that_rewrites_history_sends_the_edited_first_message_under_the_s
     first, second = (r["messages"] for r in fake.requests)
     assert first[1]["content"] == "first question"
     assert [m["content"] for m in second[1:]] == ["edited question", "tok0 tok1 tok2 ", "next"]
+
+
+def test_the_driver_records_its_kernels_send_and_receive_times() -> None:
+    """The client's own clock for the phase checks: its kernel's send and last-receive times of
+    each request (``TCP_INFO``), inside what its process saw (within the kernel's jiffy), and
+    the pause before a turn on its process clock."""
+    conversation = Conversation(
+        "c-clock", [Turn("hello", 3), Turn("all of it", CHUNKS, pause_s=0.2)], stream=True
+    )
+    _, results = asyncio.run(_run(conversation))
+    jiffy = 0.011
+    for r in results:
+        assert r.sent_kernel_unix is not None and r.done_kernel_unix is not None
+        assert r.started_unix - jiffy <= r.sent_kernel_unix <= r.done_kernel_unix <= r.done_unix + jiffy
+    # A streamed answer of 40 chunks 20 ms apart: the last byte came at least 0.8 s after the send.
+    assert results[1].done_kernel_unix - results[1].sent_kernel_unix >= CHUNKS * CHUNK_DELAY_S  # type: ignore[operator]
+    assert results[0].pause_unix is None
+    began, ended = results[1].pause_unix  # type: ignore[misc]
+    assert results[0].done_unix <= began and ended - began >= 0.2 and ended <= results[1].started_unix

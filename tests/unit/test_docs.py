@@ -61,3 +61,12 @@ def test_diagnoses_doc_lists_exactly_the_registered_ids_in_catalogue_order() -> 
     assert documented == list(REGISTRY)
     declared = {v for k, v in vars(names).items() if k.startswith("DIAG_")}
     assert declared == set(REGISTRY)
+
+
+def test_every_diagnosis_is_produced_by_real_engines_in_the_suite() -> None:
+    """Every diagnosis otelkv can publish appears in a real-fleet test (tests/fleet), where
+    real engines produce it and its evidence is checked against the scenario."""
+    fleet_tests = "\n".join(p.read_text() for p in sorted((ROOT / "tests" / "fleet").glob("test_*.py")))
+    constant = {getattr(names, n): n for n in dir(names) if n.startswith("DIAG_")}
+    missing = [d for d in REGISTRY if f"names.{constant[d]}" not in fleet_tests]
+    assert not missing, f"diagnoses no real-fleet test produces: {missing}"
