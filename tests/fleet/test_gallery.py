@@ -53,6 +53,7 @@ MARGIN_S = 5.0
 """vLLM declines a read of the decode node's blocks from this long before their deadline."""
 PAUSE_S = 3.0
 STALL_S = 2.0
+PULL_STALL_S = 3.0
 CLOCK_TOLERANCE_S = 0.1
 """How far the sidecar's phases may be from the client's clock, per turn. The client's times
 are its kernel's (``TCP_INFO``), the sidecar's arrival is its kernel's receive time; what
@@ -114,7 +115,15 @@ class Scenario:
 
 @pytest.fixture(scope="module")
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
-    config = FleetConfig(decoder_ttl_s=TTL_S, recompute_threshold=THRESHOLD, sidecar=True)
+    config = FleetConfig(
+        decoder_ttl_s=TTL_S,
+        recompute_threshold=THRESHOLD,
+        sidecar=True,
+        # A frozen API server closes its idle keep-alive connections on waking once vLLM's 5 s
+        # have passed, under the request the router just wrote on one (a 502): the stalls here
+        # are about the KV, so the engines keep idle connections for a minute.
+        engine_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"},
+    )
     yield from fleet_fixture(config, request)
 
 
@@ -152,13 +161,16 @@ def gallery(fleet: Fleet) -> dict[str, Scenario]:
         out[name] = Scenario(turns, record)
 
     # The decode node stalls as the next turn arrives: the prefill node's pull waits for it.
-    record, freeze = stall(fleet.decode, STALL_S)
+    # The first prompt is long: recomputing is priced from its prefill (per token, overhead
+    # included), and a short one on a busy machine priced it at 37 ms a token, more than the
+    # stalled pull.
+    record, freeze = stall(fleet.decode, PULL_STALL_S)
     alone(
         "pull_slow",
         Conversation(
             "gal-pull-slow",
             [
-                Turn("write the release notes for two point one", 96),
+                Turn("write the release notes for version two and list every change " * 8, 96),
                 Turn("more", 32, pause_s=0.5, before_send=freeze),
             ],
         ),

@@ -204,12 +204,19 @@ def test_why_names_the_ttl_lapse_with_gap_and_ttl(fleet: Fleet, results: dict[st
     by_id = {d["id"]: d for d in answer["diagnoses"]}
     assert names.DIAG_TTL_LAPSED in by_id, answer["diagnoses"]
     evidence = by_id[names.DIAG_TTL_LAPSED]["evidence"]
-    gap = next(v for k, v in evidence.items() if "gap" in k)
-    ttl = next(v for k, v in evidence.items() if "ttl" in k)
-    assert float(ttl) == TTL_S
-    assert float(gap) >= TTL_S + 2.0
+    # The gap on the client's own clock (its kernel's last receive and next send).
+    client_gap = second.sent_kernel_unix - first.done_kernel_unix  # type: ignore[operator]
+    assert client_gap >= TTL_S + 2.0
+    assert evidence["gap_s"] == pytest.approx(client_gap, abs=0.1)
+    assert evidence["decoder_kv_blocks_ttl_s"] == TTL_S
+    assert evidence["over_by_s"] == pytest.approx(evidence["gap_s"] - TTL_S, abs=0.002)
+    assert evidence["previous_retention_outcome"] == names.RETENTION_EXPIRED
+    assert evidence["previous_retention_held_s"] == pytest.approx(TTL_S, abs=1.0)  # held its TTL, then freed
+    assert evidence["router_handle"] == names.ROUTER_HANDLE_STALE  # the router's 30 s had passed too
+    cached = answer["prefill"]["tokens"]["local_cache"]
+    assert evidence["tokens_recomputed"] == first.prompt_tokens + first.completion_tokens - cached
     summary = by_id[names.DIAG_TTL_LAPSED]["summary"]
-    assert f"decoder_kv_blocks_ttl={TTL_S:g}s" in summary
+    assert f"decoder_kv_blocks_ttl={TTL_S:g}s" in summary and "exceeded" in summary
 
 
 def test_streaming_decode_leg_is_diagnosed_as_missing_handle(
@@ -224,7 +231,14 @@ def test_streaming_decode_leg_is_diagnosed_as_missing_handle(
         == names.REASON_NO_DECODE_HANDLE
     )
     answer = assert_valid(report.why(stored(fleet), second.trace_id))["turn"]
-    assert names.DIAG_DECODE_NO_HANDLE in [d["id"] for d in answer["diagnoses"]], answer["diagnoses"]
+    found = {d["id"]: d for d in answer["diagnoses"]}
+    assert names.DIAG_DECODE_NO_HANDLE in found, answer["diagnoses"]
+    e = found[names.DIAG_DECODE_NO_HANDLE]["evidence"]
+    # What the scenario did: the router streamed the first turn's decode leg.
+    assert (e["decode_streamed"], e["decode_streamed_source"]) == (True, "router")
+    assert e["turn_index"] == 1 and e["router_handle"] == names.ROUTER_HANDLE_MISS
+    cached = answer["prefill"]["tokens"]["local_cache"]
+    assert e["tokens_recomputed"] == first.prompt_tokens + first.completion_tokens - cached
 
 
 def test_request_without_conversation_id_is_fingerprinted_and_diagnosed(
@@ -236,7 +250,13 @@ def test_request_without_conversation_id_is_fingerprinted_and_diagnosed(
     assert [s.attributes[names.TURN_INDEX] for s in spans] == [0, 1]
     assert all(s.attributes[names.CONVERSATION_INFERRED] is True for s in spans)
     answer = assert_valid(report.why(stored(fleet), results["conv-anonymous"][1].trace_id))["turn"]
-    assert names.DIAG_NO_CONVERSATION_ID in [d["id"] for d in answer["diagnoses"]]
+    found = {d["id"]: d for d in answer["diagnoses"]}
+    e = found[names.DIAG_NO_CONVERSATION_ID]["evidence"]
+    assert (e["conversation_inferred"], e["conversation_id_source"]) == (True, "fingerprint")
+    # The sidecar passed the fingerprint on as X-Session-ID, so the router still had a key
+    # for the handle: nothing was recomputed for want of an id (only the edit risk is named).
+    assert e["router_handle"] == names.ROUTER_HANDLE_HIT and e["tokens_recomputed"] == 0
+    assert "inferred one from the message prefix" in found[names.DIAG_NO_CONVERSATION_ID]["summary"]
 
 
 def test_cli_why_and_slow_through_the_sidecar_api(fleet: Fleet, results: dict[str, list[TurnResult]]) -> None:
@@ -645,7 +665,14 @@ def test_prefill_engine_killed_mid_hand_off(fleet: Fleet) -> None:
         timeout=30,
     )
     answer = assert_valid(report.why(stored(fleet), turn.trace_id))["turn"]
-    assert names.DIAG_TRANSFER_FAILED in [d["id"] for d in answer["diagnoses"]], answer["diagnoses"]
+    found = {d["id"]: d for d in answer["diagnoses"]}
+    assert names.DIAG_TRANSFER_FAILED in found, answer["diagnoses"]
+    e = found[names.DIAG_TRANSFER_FAILED]["evidence"]
+    # What the scenario did: killed the prefill node before the decode node read its KV.
+    assert (e["role"], e["direction"]) == (names.ROLE_DECODE, names.DIRECTION_P_TO_D)
+    assert e["transfer_outcome"] == transfers[0].attributes[names.TRANSFER_OUTCOME] != names.TRANSFER_OK
+    assert e["request_outcome"] != names.OUTCOME_FINISHED and e["kv_load_failure_policy"] == "fail"
+    assert answer["diagnoses"][0]["id"] == names.DIAG_TRANSFER_FAILED  # a failure ranks first
 
     # The sidecar is unharmed: it still relays (the router's own health endpoint).
     async def health() -> int:

@@ -218,8 +218,13 @@ def test_why_names_the_missing_handle_from_engine_and_sidecar_evidence(
     found = {d["id"]: d for d in not_kept["diagnoses"]}
     assert names.DIAG_ROUTER_KEPT_NO_HANDLE in found, not_kept["diagnoses"]
     evidence = found[names.DIAG_ROUTER_KEPT_NO_HANDLE]["evidence"]
-    # What the previous turn left on decode: its 96 generated tokens at least.
-    assert evidence["previous_kv_params_returned"] is True and evidence["tokens_recomputed"] >= 96
+    # What the previous turn left on decode (its prompt and 96 generated tokens, as the
+    # client's usage counted them) beyond the prefill node's cached blocks.
+    first = results[NOT_KEPT.conversation_id][0]
+    assert first.completion_tokens == 96
+    cached = not_kept["prefill"]["tokens"]["local_cache"]
+    assert evidence["previous_kv_params_returned"] is True
+    assert evidence["tokens_recomputed"] == first.prompt_tokens + first.completion_tokens - cached
     assert names.DIAG_DECODE_NO_HANDLE not in found
 
 
