@@ -192,7 +192,9 @@ def late_read(turn: Turn) -> _LateRead | None:
     The wait runs from the turn's arrival (the sidecar's or router's span) to the end of the
     declined read, so it holds wherever the time went: a prefill scheduler that reached the
     request late (busy or stalled: the time is before the engine's span) or a KV thread that
-    started the read late (inside it). Without a turn start it is the read's own wait."""
+    started the read late (inside it). Without a turn start it is the read's own wait. The
+    turn's start and the engine's spans may come from two hosts: their clock offset (NTP keeps
+    it to milliseconds) goes into both numbers, which is small beside the seconds this needs."""
     leg = turn.prefill
     ttl = turn.decoder_ttl_s()
     if leg is None or ttl is None or not _declined_expired(leg):
@@ -201,8 +203,9 @@ def late_read(turn: Turn) -> _LateRead | None:
         return None
     t = leg.transfer
     if t is not None and turn.start_ns and t.end_ns > turn.start_ns:
-        before = (leg.start_ns - turn.start_ns) / 1e9 if leg.start_ns >= turn.start_ns else None
-        return _LateRead(leg, ttl, (t.end_ns - turn.start_ns) / 1e9, before)
+        wait_s = (t.end_ns - turn.start_ns) / 1e9
+        before = min((leg.start_ns - turn.start_ns) / 1e9, wait_s) if leg.start_ns >= turn.start_ns else None
+        return _LateRead(leg, ttl, wait_s, before)
     wait = pull_seconds(leg)
     return _LateRead(leg, ttl, wait, None) if wait else None
 
@@ -432,7 +435,7 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     evidence = {
         "gap_s": _r(turn.gap_s),
         "decoder_kv_blocks_ttl_s": _r(ttl),
-        "over_by_s": _r(turn.gap_s - ttl) if ttl is not None else None,
+        "over_by_s": _r(turn.gap_s - ttl) if ttl is not None and turn.gap_s >= ttl else None,
         "tool_wait_s": _r(phases.tool_wait_s) if phases else None,
         "app_work_s": _r(phases.app_work_s) if phases else None,
         "previous_retention_outcome": ret.outcome if ret else None,
@@ -442,14 +445,19 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
         "router_handle": turn.router.handle if turn.router else None,
         "tokens_recomputed": tokens,
     }
-    if ttl is not None and turn.gap_s < ttl:
+    if ttl is not None and turn.gap_s >= ttl:
+        head = f"The {turn.gap_s:.1f}s gap before this turn exceeded decoder_kv_blocks_ttl={ttl:g}s"
+    elif ttl is not None and lapse.declined and turn.gap_s + READ_EXPIRY_MARGIN_S >= ttl:
         # Declined inside vLLM's margin: the blocks were still held, but too close to their end.
         head = (
             f"The {turn.gap_s:.1f}s gap before this turn came within vLLM's {READ_EXPIRY_MARGIN_S:g}s "
             f"read margin of decoder_kv_blocks_ttl={ttl:g}s, so the read was declined as expired"
         )
     elif ttl is not None:
-        head = f"The {turn.gap_s:.1f}s gap before this turn exceeded decoder_kv_blocks_ttl={ttl:g}s"
+        head = (
+            f"The decode node's KV was no longer readable after the {turn.gap_s:.1f}s gap before this "
+            f"turn (decoder_kv_blocks_ttl={ttl:g}s)"
+        )
     else:
         head = f"The decode node's KV expired during the {turn.gap_s:.1f}s gap before this turn"
     held = f"; blocks were held {ret.held_s:.1f}s then freed unread" if ret and ret.held_s is not None else ""

@@ -85,7 +85,9 @@ class TurnResult:
     """... and when it had read the response's last byte (or given up)."""
     sent_kernel_unix: float | None = None
     """When the client's kernel sent the request's last bytes (``TCP_INFO``), free of the
-    client process's own scheduling delays; None where the platform does not say."""
+    client process's own scheduling delays; None where the platform does not say or the
+    connection carried another request before they were read (a session shared by
+    concurrent conversations: :meth:`AgentDriver.run_many` gives each its own)."""
     done_kernel_unix: float | None = None
     """When the client's kernel received the response's last bytes (likewise)."""
     pause_unix: tuple[float, float] | None = None
@@ -247,9 +249,7 @@ class AgentDriver:
                     usage = data.get("usage") or {}
                     result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     result.completion_tokens = int(usage.get("completion_tokens") or 0)
-                times = arrival.tcp_times_ns(sock, time.time_ns())
-                if times is not None:
-                    result.sent_kernel_unix, result.done_kernel_unix = times[0] / 1e9, times[1] / 1e9
+                _kernel_times(result, arrival.tcp_times_ns(sock, time.time_ns()))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         result.latency_s = time.perf_counter() - started
@@ -268,13 +268,34 @@ class AgentDriver:
         return result
 
     async def run_many(self, conversations: Sequence[Conversation]) -> list[list[TurnResult]]:
-        """Run conversations concurrently; results in the order given."""
-        connector = aiohttp.TCPConnector(limit=max(len(conversations), 1) * 2)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            return list(await asyncio.gather(*(self.run(c, session) for c in conversations)))
+        """Run conversations concurrently, each with its own HTTP client (as separate agents
+        are, and so that no other conversation's request goes out on a connection between a
+        response and the reading of its kernel times); results in the order given."""
+
+        async def one(conversation: Conversation) -> list[TurnResult]:
+            async with aiohttp.ClientSession() as session:
+                return await self.run(conversation, session)
+
+        return list(await asyncio.gather(*(one(c) for c in conversations)))
 
     def run_sync(self, conversations: Sequence[Conversation]) -> list[list[TurnResult]]:
         return asyncio.run(self.run_many(conversations))
+
+
+_JIFFY_S = 0.011
+"""The kernel's times are in jiffies (up to 10 ms at HZ=100): the slack allowed against the
+process clock when checking they belong to this request."""
+
+
+def _kernel_times(result: TurnResult, times: arrival.TcpTimes | None) -> None:
+    """Keep the connection's kernel times if they can only be this request's: sent after the
+    client started it, and before the response's last byte came (a request of another task
+    sent on the same pooled connection in between would break both)."""
+    if times is None:
+        return
+    sent, done = times.sent_ns / 1e9, times.received_ns / 1e9
+    if result.started_unix - _JIFFY_S <= sent <= done + _JIFFY_S:
+        result.sent_kernel_unix, result.done_kernel_unix = sent, done
 
 
 async def _read_stream(

@@ -258,25 +258,28 @@ class Engine:
             f"{self.spec.engine_id} not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}"
         )
 
-    def freeze(self, *, only: str | None = None) -> None:
+    def freeze(self, *, only: str | None = None) -> int:
         """Stop the engine's processes (SIGSTOP): a host that stalls, as under memory
         pressure or a debugger. Its sockets stay open; peers just wait.
 
         ``only``: stop just the processes whose command line contains it, e.g.
         ``"EngineCore"``: the API server keeps accepting requests, the scheduler and the
-        worker (and with them the NIXL agent) stall."""
+        worker (and with them the NIXL agent) stall. Returns how many processes were stopped
+        (the whole group counts as one)."""
         if self._proc is None:
-            return
+            return 0
         if only is None:
             _signal_group(self._proc, signal.SIGSTOP)
-            return
+            return 1
+        stopped = 0
         for pid in _descendants(self._proc.pid):
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if only.encode() in cmdline:
+                if only.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGSTOP)
-            except (OSError, ProcessLookupError):
+                    stopped += 1
+            except OSError:  # gone meanwhile
                 continue
+        return stopped
 
     def thaw(self) -> None:
         """Let a frozen engine run again (SIGCONT to its group)."""

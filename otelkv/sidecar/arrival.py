@@ -1,28 +1,45 @@
-"""When the kernel received a request's bytes: the earliest arrival a user-space proxy can know.
+"""When the kernel received a request's bytes and sent a response's: the closest a
+user-space proxy can get to the wire.
 
 A proxy that stamps a request when its event loop gets to it books every millisecond the
 request waited in the socket (the proxy descheduled on a busy host, its loop busy with
 another response) as time before the turn: measured on a 2-core fleet, 0.21 s that the
 phase split then counted as the agent's own work. Linux keeps, per TCP socket, the time
-since data was last received (``tcpi_last_data_recv`` of ``TCP_INFO``, in jiffies: 1-4 ms
-resolution). Read right after the bytes were read from the socket, it dates the segment
-that completed them. One ``getsockopt``, about a microsecond.
+since data was last received and last sent (``tcpi_last_data_recv`` / ``_sent`` of
+``TCP_INFO``: milliseconds, counted in jiffies, so 1-10 ms resolution depending on the
+kernel's HZ; 4 ms on the reference machine). Read right after bytes were read from the
+socket, the first dates the latest segment read so far; read as a response ends, with
+nothing left unsent (``tcpi_notsent_bytes``), the second dates its last byte leaving. One
+``getsockopt``, 3-5 microseconds measured.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _LAST_DATA_SENT_OFFSET = 44
 _LAST_DATA_RECV_OFFSET = 52
-"""``tcpi_last_data_sent`` / ``tcpi_last_data_recv`` in ``struct tcp_info``: 8 one-byte
-fields, then u32s (rto, ato, snd_mss, rcv_mss, unacked, sacked, lost, retrans, fackets,
-last_data_sent, last_ack_sent, last_data_recv), stable since Linux 2.6."""
+_NOTSENT_BYTES_OFFSET = 144
+"""Fields of ``struct tcp_info``: 8 one-byte fields, then u32s (rto, ato, snd_mss, rcv_mss,
+unacked, sacked, lost, retrans, fackets, last_data_sent, last_ack_sent, last_data_recv, ...);
+``tcpi_notsent_bytes`` since Linux 4.6 (older kernels return a shorter struct: unknown)."""
+_INFO_BYTES = 160
 _MAX_AGE_MS = 60_000
 """An older "last receive" is not this request's (a clock or kernel oddity): not used."""
+
+
+class TcpTimes(NamedTuple):
+    """A TCP socket's latest traffic, as its kernel dates it."""
+
+    sent_ns: int
+    """When the kernel last sent data on the socket (wall clock, ns)."""
+    received_ns: int
+    """When it last received data."""
+    unsent_bytes: int | None
+    """Bytes written but not yet sent (None: the kernel does not say)."""
 
 
 def socket_of(transport: Any) -> Any:
@@ -31,27 +48,39 @@ def socket_of(transport: Any) -> Any:
     return get("socket") if get is not None else None
 
 
-def tcp_times_ns(sock: Any, now_ns: int) -> tuple[int, int] | None:
-    """When the kernel last sent and last received data on ``sock`` (wall clock, ns), or
-    None where the platform, the socket type or the call does not say. ``now_ns``: the
-    caller's clock now."""
+def tcp_times_ns(sock: Any, now_ns: int) -> TcpTimes | None:
+    """The kernel's last send and receive times on ``sock``, or None where the platform, the
+    socket type or the call does not say. ``now_ns``: the caller's clock now. Never raises:
+    it runs on every request the proxy relays."""
     if _TCP_INFO is None or sock is None:
         return None
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 104)
-    except (OSError, AttributeError, ValueError, TypeError):
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _INFO_BYTES)
+        if not isinstance(info, bytes) or len(info) < _LAST_DATA_RECV_OFFSET + 4:
+            return None
+        (sent_ms,) = struct.unpack_from("I", info, _LAST_DATA_SENT_OFFSET)
+        (received_ms,) = struct.unpack_from("I", info, _LAST_DATA_RECV_OFFSET)
+        unsent = None
+        if len(info) >= _NOTSENT_BYTES_OFFSET + 4:
+            (unsent,) = struct.unpack_from("I", info, _NOTSENT_BYTES_OFFSET)
+    except Exception:  # noqa: BLE001 - instrumentation: an odd socket object must not cost the request
         return None
-    if not isinstance(info, bytes) or len(info) < _LAST_DATA_RECV_OFFSET + 4:
-        return None
-    (sent_ms,) = struct.unpack_from("I", info, _LAST_DATA_SENT_OFFSET)
-    (received_ms,) = struct.unpack_from("I", info, _LAST_DATA_RECV_OFFSET)
-    return now_ns - sent_ms * 1_000_000, now_ns - received_ms * 1_000_000
+    return TcpTimes(now_ns - sent_ms * 1_000_000, now_ns - received_ms * 1_000_000, unsent)
 
 
 def received_ns(sock: Any, now_ns: int) -> int | None:
     """When the kernel last received data on ``sock`` (see :func:`tcp_times_ns`); None also
     when that was over a minute ago (not this request's bytes: a clock or kernel oddity)."""
     times = tcp_times_ns(sock, now_ns)
-    if times is None or now_ns - times[1] > _MAX_AGE_MS * 1_000_000:
+    if times is None or now_ns - times.received_ns > _MAX_AGE_MS * 1_000_000:
         return None
-    return times[1]
+    return times.received_ns
+
+
+def all_sent_ns(sock: Any, now_ns: int) -> int | None:
+    """When the last byte written to ``sock`` left, if the kernel has sent everything written
+    to it (None otherwise, or where it does not say)."""
+    times = tcp_times_ns(sock, now_ns)
+    if times is None or times.unsent_bytes != 0:
+        return None
+    return times.sent_ns

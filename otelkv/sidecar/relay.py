@@ -81,14 +81,16 @@ class Request:
     body: bytes = b""
     keep_alive: bool = True
     received_ns: int = 0
-    """When its first bytes were read: the kernel's receive time where it says, else the
-    proxy's clock then (wall clock, ns)."""
+    """When the kernel received the connection's latest bytes as this request's first ones
+    were parsed (the proxy's clock then where the kernel does not say; wall clock, ns). A
+    request pipelined behind another on the same connection is dated when it arrived, so its
+    wait behind the one before it counts as its own input processing."""
     read_ns: int = 0
     """The proxy's clock when it read them (``read_ns - received_ns``: time in the socket)."""
     sent_ns: int = 0
-    """When the kernel last sent data to the client as the exchange ended (0: unknown, or
-    bytes still queued in the proxy): the response's last byte left then, even if the proxy
-    was descheduled before it could stamp the end itself."""
+    """When the response's last byte left the kernel, read as the exchange ended (0: unknown,
+    the exchange failed, or bytes were still queued in the proxy or the kernel): the end even
+    if the proxy was descheduled before it could stamp it itself."""
 
     @property
     def path(self) -> str:
@@ -392,7 +394,7 @@ class _Client(asyncio.Protocol):
         self._head_bytes = 0
         self._head_size = 0
         now = time.time_ns()
-        received = arrival.received_ns(self._sock, now)
+        received = arrival.received_ns(self._sock, now)  # never raises
         self._req = Request(headers=[], received_ns=received or now, read_ns=now)
         self._body = []
         self._body_len = 0
@@ -567,11 +569,13 @@ class _Client(asyncio.Protocol):
         exchange, self.exchange = self.exchange, None
         if exchange is None:
             return
-        req = self.current
-        if req is not None and self.transport is not None and not self.transport.get_write_buffer_size():
-            times = arrival.tcp_times_ns(self._sock, time.time_ns())
-            req.sent_ns = times[0] if times is not None and times[0] >= req.received_ns else 0
         try:
+            req = self.current
+            # Only a response relayed whole: a failed exchange may have written nothing of its own.
+            if req is not None and error is None and self.transport is not None:
+                if not self.transport.get_write_buffer_size():
+                    sent = arrival.all_sent_ns(self._sock, time.time_ns())
+                    req.sent_ns = sent if sent is not None and sent >= req.received_ns else 0
             exchange.finish(status, error)
         except Exception:
             logger.exception("otelkv sidecar: could not end a turn")

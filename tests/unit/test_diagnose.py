@@ -443,6 +443,17 @@ def test_ttl_lapsed(form: Any) -> None:
     # Declined-expired read alone also says so.
     _, cur2 = pair(prefill={names.PULL_REASON: names.REASON_DECLINED_EXPIRED})
     assert names.DIAG_TTL_LAPSED in ids(built(form(cur2)))
+    # A declined read 2 s into a 12 s TTL with no wait to time (no kv_transfer span): neither
+    # "exceeded" nor "within the read margin"; no negative overrun.
+    ttl12 = {
+        f"{role}_resource": engine_resource(role, **{names.DECODER_KV_BLOCKS_TTL: 12.0})
+        for role in (names.ROLE_PREFILL, names.ROLE_DECODE)
+    }
+    _, cur3 = pair(gap_s=2.0, prefill={names.PULL_REASON: names.REASON_DECLINED_EXPIRED}, **ttl12)
+    d3 = {x.id: x for x in diagnose(built(form(cur3)))}[names.DIAG_TTL_LAPSED]
+    assert "no longer readable after the 2.0s gap" in d3.summary, d3.summary
+    assert "exceeded" not in d3.summary and "margin" not in d3.summary
+    assert d3.evidence["over_by_s"] is None
 
 
 @FORMS
