@@ -65,8 +65,11 @@ RECENT_TTL_S = 600.0
 """How long a finished turn can be found as the start of a conversation resumed under a new id:
 10 minutes, above vLLM's default ``decoder_kv_blocks_ttl`` (480 s); after that the decode node
 no longer holds its KV and a new id costs nothing."""
+RECENT_ENTRY_BYTES = 330
+"""What one indexed turn costs (measured with ``tracemalloc``)."""
 RECENT_CAPACITY = 20_000
-"""Most recent turns indexed (the oldest go first): about 330 bytes each, 6.6 MB in all. A fleet
+"""Most recent turns indexed (the oldest go first): :data:`RECENT_ENTRY_BYTES` each, 6.6 MB in
+all. A fleet
 behind one sidecar that finishes more than 33 turns/s finds resumes in a window shorter than
 :data:`RECENT_TTL_S`."""
 MAX_ANSWER_CHARS = 4 * 1024 * 1024

@@ -10,13 +10,27 @@ import asyncio
 from pathlib import Path
 
 from otelkv import names
+from otelkv.sidecar import continuity
 from tests.unit import sidecar_harness as h
 
 SECONDS = 20.0
 AGENTS = 16
+TURNS_PER_CONVERSATION = 6
 SECOND_HALF_GROWTH_MB = {"main": 60.0, "proxy": 5.0}
-"""RSS each process may gain over the second half (main: chDB caches and merges settle in
-steps of tens of MB, and fall again; a leak of 1 KB per turn would add ~10 MB here)."""
+"""RSS each process may gain over the second half besides the proxy's bounded caches (main:
+chDB caches and merges settle in steps of tens of MB, and fall again; a leak of 1 KB per turn
+would add ~10 MB here)."""
+
+
+def proxy_cache_fill_mb(turns: int, turns_per_conversation: int) -> float:
+    """The most the proxy's bounded continuity caches can grow over ``turns`` turns, by their
+    documented costs: the recent-turn index (capped in entries) and the per-conversation
+    digests (capped in bytes). On a fast host (1,000 turns/s) they are still filling in the
+    second half of the run; a leak shows beyond them."""
+    recent = min(turns, continuity.RECENT_CAPACITY) * continuity.RECENT_ENTRY_BYTES
+    per_conversation = continuity.STATE_OVERHEAD_BYTES + 16 + 8 * 2 * turns_per_conversation
+    history = min(turns // turns_per_conversation * per_conversation, continuity.STATE_BUDGET_BYTES)
+    return (recent + history) / 1e6
 
 
 def test_concurrent_streamed_conversations_no_errors_flat_memory(tmp_path: Path) -> None:
@@ -28,7 +42,11 @@ def test_concurrent_streamed_conversations_no_errors_flat_memory(tmp_path: Path)
             with h.RssSampler(sc.pids, interval_s=0.5) as rss:
                 asyncio.run(
                     h.agent_load(
-                        sc.proxy_url, agents=AGENTS, turns_per_conversation=6, seconds=SECONDS, stats=stats
+                        sc.proxy_url,
+                        agents=AGENTS,
+                        turns_per_conversation=TURNS_PER_CONVERSATION,
+                        seconds=SECONDS,
+                        stats=stats,
                     )
                 )
             text = sc.metrics()
@@ -37,8 +55,10 @@ def test_concurrent_streamed_conversations_no_errors_flat_memory(tmp_path: Path)
     assert stats.errors == 0, stats.first_errors
     assert stats.turns > 500
     assert h.metric(text, names.METRIC_SIDECAR_SPANS_DROPPED + "_total") == 0
+    caches = proxy_cache_fill_mb(stats.turns, TURNS_PER_CONVERSATION)
     for name, bound in SECOND_HALF_GROWTH_MB.items():
         points = rss.samples[name]
         half = [mb for _, mb in points[len(points) // 2 :]]
-        assert max(half) - half[0] < bound, (name, rss.summary(name))
+        allowed = bound + (caches if name == "proxy" else 0.0)
+        assert max(half) - half[0] < allowed, (name, rss.summary(name), stats.turns, allowed)
     assert sum(h.stored_conversations(store).values()) == stats.turns
