@@ -174,6 +174,11 @@ class _LateRead:
     """... of which before the prefill node's scheduler first saw the request."""
 
 
+def in_read_margin(gap_s: float, ttl: float) -> bool:
+    """The gap came within vLLM's read margin of the TTL: a read tried at arrival is declined."""
+    return gap_s + READ_EXPIRY_MARGIN_S >= ttl
+
+
 def _declined_expired(leg: Leg) -> bool:
     return leg.reason == names.REASON_DECLINED_EXPIRED or (
         leg.transfer is not None and leg.transfer.outcome == names.TRANSFER_DECLINED_EXPIRED
@@ -199,7 +204,7 @@ def late_read(turn: Turn) -> _LateRead | None:
     ttl = turn.decoder_ttl_s()
     if leg is None or ttl is None or not _declined_expired(leg):
         return None
-    if turn.gap_s + READ_EXPIRY_MARGIN_S >= ttl:
+    if in_read_margin(turn.gap_s, ttl):
         return None
     t = leg.transfer
     if t is not None and turn.start_ns and t.end_ns > turn.start_ns:
@@ -447,7 +452,7 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     if ttl is not None and turn.gap_s >= ttl:
         head = f"The {turn.gap_s:.1f}s gap before this turn exceeded decoder_kv_blocks_ttl={ttl:g}s"
-    elif ttl is not None and lapse.declined and turn.gap_s + READ_EXPIRY_MARGIN_S >= ttl:
+    elif ttl is not None and lapse.declined and in_read_margin(turn.gap_s, ttl):
         # Declined inside vLLM's margin: the blocks were still held, but too close to their end.
         head = (
             f"The {turn.gap_s:.1f}s gap before this turn came within vLLM's {READ_EXPIRY_MARGIN_S:g}s "

@@ -16,7 +16,7 @@ from typing import Any
 
 from otelkv import names
 from otelkv.analysis import turn_json
-from otelkv.analysis.diagnose import READ_EXPIRY_MARGIN_S
+from otelkv.analysis.diagnose import READ_EXPIRY_MARGIN_S, in_read_margin
 from otelkv.analysis.engine_probe import EngineProbe
 from otelkv.analysis.linker import window_turns
 from otelkv.analysis.model import SOURCE_SIDECAR, EngineConfig, Turn, engine_config
@@ -248,7 +248,7 @@ def _follow_ups(ev: Evidence) -> list[Turn]:
         if prev is None or prev.decode is None or not prev.decode.kv_params_returned or t.prefill is None:
             continue
         ttl = t.decoder_ttl_s()
-        if ttl is not None and t.gap_s + READ_EXPIRY_MARGIN_S >= ttl:
+        if ttl is not None and in_read_margin(t.gap_s, ttl):
             continue  # the handle had lapsed: dropping it is right
         if t.router is not None and t.router.handle == names.ROUTER_HANDLE_STALE:
             continue
@@ -438,14 +438,14 @@ def check_ttl_vs_gaps(ev: Evidence) -> Check:
         "gap_p90_s": round(p90, 3),
         "decoder_kv_blocks_ttl_s": ttl,
     }
-    if p90 + READ_EXPIRY_MARGIN_S < ttl:
+    if not in_read_margin(p90, ttl):
         return Check(
             names.CHECK_TTL_VS_GAPS,
             names.CHECK_PASS,
             f"gaps p90 {p90:.1f}s within the {ttl:g}s TTL",
             evidence,
         )
-    status = names.CHECK_WARN if p50 + READ_EXPIRY_MARGIN_S < ttl else names.CHECK_FAIL
+    status = names.CHECK_WARN if not in_read_margin(p50, ttl) else names.CHECK_FAIL
     return Check(
         names.CHECK_TTL_VS_GAPS,
         status,

@@ -66,12 +66,12 @@ RECENT_TTL_S = 600.0
 10 minutes, above vLLM's default ``decoder_kv_blocks_ttl`` (480 s); after that the decode node
 no longer holds its KV and a new id costs nothing."""
 RECENT_ENTRY_BYTES = 330
-"""What one indexed turn costs (measured with ``tracemalloc``)."""
+"""About what one indexed turn costs: its key, entry, trace id and conversation id (354 bytes
+measured with ``tracemalloc`` for a 12-character conversation id)."""
 RECENT_CAPACITY = 20_000
 """Most recent turns indexed (the oldest go first): :data:`RECENT_ENTRY_BYTES` each, 6.6 MB in
-all. A fleet
-behind one sidecar that finishes more than 33 turns/s finds resumes in a window shorter than
-:data:`RECENT_TTL_S`."""
+all. A fleet behind one sidecar that finishes more than 33 turns/s finds resumes in a window
+shorter than :data:`RECENT_TTL_S`."""
 MAX_ANSWER_CHARS = 4 * 1024 * 1024
 """A streamed answer longer than this is not digested (its pieces are joined at the end)."""
 SYSTEM_ROLES = frozenset({"system", "developer"})

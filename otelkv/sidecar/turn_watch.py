@@ -86,6 +86,13 @@ class TurnRecord:
     """From the kernel's receive time (``arrival_ns``) to the proxy reading the request."""
 
 
+def _socket_wait_ns(req: Request | None) -> int:
+    """How long the request sat in the socket before the relay read it (0: not known)."""
+    if req is None or not req.received_ns:
+        return 0
+    return max(req.read_ns - req.received_ns, 0)
+
+
 def _no_count(name: str, n: int = 1) -> None:
     return None
 
@@ -111,9 +118,9 @@ class _Turn:
     observer: ResponseObserver | None = None
     pending: Callable[[], Observed | None] | None = None
     """The history comparison, when deferred until the request has gone upstream."""
-    socket_wait_ns: int = 0
     relayed: Request | None = None
-    """The relay's request: its ``sent_ns`` dates the response's last byte."""
+    """The relay's request: its kernel times give the time it sat in the socket and date the
+    response's last byte."""
 
     def run_pending(self) -> None:
         """Run the deferred history comparison (once; :meth:`finish` makes sure it ran)."""
@@ -184,7 +191,7 @@ class _Turn:
                 operation=self.operation,
                 path=self.path,
                 arrival_ns=self.arrival_ns,
-                socket_wait_ns=self.socket_wait_ns,
+                socket_wait_ns=_socket_wait_ns(self.relayed),
                 end_ns=end_ns,
                 status=status,
                 error=error,
@@ -312,7 +319,6 @@ class TurnWatcher:
         # The kernel's receive time where the relay had it: time the request sat in the
         # socket is the client's wait, not the agent's work before the turn.
         arrival_ns = req.received_ns or time.time_ns()
-        socket_wait_ns = max(req.read_ns - req.received_ns, 0) if req.received_ns else 0
         parsed: dict[str, Any] | None = None
         try:
             value = json.loads(body) if body else None
@@ -361,7 +367,6 @@ class TurnWatcher:
             )
         turn = _Turn(
             arrival_ns=arrival_ns,
-            socket_wait_ns=socket_wait_ns,
             relayed=req,
             emit=self.emit,
             identity=identity,
