@@ -112,32 +112,67 @@ def _delta(value: float | None) -> str:
     return ("+" if value > 0 else "") + _s(value)
 
 
+def _num(value: float) -> str:
+    """Three significant figures without exponent noise: 0.205, 10.0, 953."""
+    value = float(f"{value:.3g}")  # round first, so 0.99999 reads 1.00, not 1
+    a = abs(value)
+    if a >= 100:
+        return f"{value:.0f}"
+    if a >= 10:
+        return f"{value:.1f}"
+    if a >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def _fit_facts(e: dict[str, Any]) -> str:
+    """The evidence of one fit in a few words: n, r², residual against the mean, size range."""
+    parts = [f"n={e.get('samples', 0)}"]
+    if e.get("r2") is not None:
+        parts.append(f"r² {e['r2']:.2f}")
+    if e.get("residual_rms_s") is not None:
+        rel = e.get("relative_residual")
+        parts.append(
+            f"residual {_num(e['residual_rms_s'] * 1e3)} ms"
+            + (f" ({rel:.0%} of the mean)" if rel is not None else "")
+        )
+    if e.get("size_ratio") is not None:
+        parts.append(f"sizes {e['size_ratio']:.1f}x apart")
+    return ", ".join(parts)
+
+
 def _fit_line(label: str, fit: dict[str, Any], geometry: dict[str, Any] | None = None) -> str:
-    if fit.get("method") == "none":
-        return f"  {label:<10} unknown: {fit.get('note')}"
+    """One fit: its price when the gate accepted it, else "not enough evidence", why and what would do."""
+    evidence = fit.get("evidence") or {}
+    pad = " " * 13
+    if not evidence.get("accepted"):
+        text = f"  {label:<10} not enough evidence ({_fit_facts(evidence)})"
+        if fit.get("note"):
+            text += f"\n{pad}{fit['note']}"
+        return text + f"\n{pad}{evidence.get('reason')}\n{pad}{evidence.get('need')}"
     if fit["unit"] == "token":
-        cost = f"{fit['seconds_per_token'] * 1e3:.4f} ms/token"
+        cost = f"{_num(fit['seconds_per_token'] * 1e3)} ms/token"
     else:
-        cost = f"{(fit['fixed_s'] or 0) * 1e3:.2f} ms + {fit['seconds_per_byte'] * 1e9:.3f} ns/byte"
+        fixed = max(fit["fixed_s"] or 0.0, 0.0)
+        cost = f"{_num(fixed * 1e3)} ms + {_num(fit['seconds_per_byte'] * 1e9)} ns/byte"
         bpt = (geometry or {}).get("bytes_per_token")
         if bpt:
             cost += f" ({render.human_bytes(bpt)}/token)"
-    spread = f"n={fit['samples']}"
-    if fit.get("residual_rms_s") is not None:
-        spread += f", residual {fit['residual_rms_s'] * 1e3:.2f} ms"
-    if fit.get("r2") is not None:
-        spread += f", r2 {fit['r2']:.3f}"
-    line = f"  {label:<10} {cost}   [{fit['method']}, {spread}]"
-    return line + (f"\n             {fit['note']}" if fit.get("note") else "")
+    return f"  {label:<10} {cost}   [{_fit_facts(evidence)}]"
+
+
+UNAVAILABLE = "n/a"
+"""A seconds cell whose fit the evidence gate rejected."""
 
 
 def _row(row: dict[str, Any], first: list[Any]) -> list[Any]:
+    saved, ttft = row["prefill_saved_s"], row["ttft_delta_s"]
     return [
         *first,
         row["pulls"],
         row["failed_requests"],
-        _s(row["prefill_saved_s"]),
-        _delta(row["ttft_delta_s"]),
+        UNAVAILABLE if saved is None else _s(saved),
+        UNAVAILABLE if ttft is None else _delta(ttft),
         f"{row['block_seconds']:.0f}",
         render.human_bytes(row["peak_retained_bytes"]),
     ]
@@ -188,7 +223,26 @@ def _header(data: dict[str, Any], out: TextIO) -> None:
         )
 
 
+def _unavailable(costs: dict[str, Any]) -> str:
+    """The legend line for seconds columns a rejected fit leaves empty ("" when none is)."""
+    rec = ((costs.get("recompute") or {}).get("evidence") or {}).get("accepted")
+    pull = ((costs.get("pull") or {}).get("evidence") or {}).get("accepted")
+    if rec and pull:
+        return ""
+    if not rec:
+        cols = "PREFILL SAVED and TTFT CHANGE are"
+        which = "the recompute fit" + (" and the pull fit" if not pull else "")
+    else:
+        cols, which = "TTFT CHANGE is", "the pull fit"
+    return f"{UNAVAILABLE}: {cols} unavailable: {which} did not pass the evidence gate (see costs above).\n"
+
+
 def show_tune(data: dict[str, Any], out: TextIO) -> None:
+    w = data.get("window") or {}
+    if w.get("empty"):
+        span = f"{w.get('since') or 'the beginning'} to {w.get('until') or 'now'}"
+        out.write(f"otelkv tune: {w['empty']} ({span}).\n")
+        return
     _header(data, out)
     rec = data.get("recommended") or {}
     current = data.get("current")
@@ -215,22 +269,56 @@ def show_tune(data: dict[str, Any], out: TextIO) -> None:
         "window vs recomputing every hand-off (negative is faster). FAILED: reads vLLM would decline (the\n"
         "request fails). BLOCK-S: blocks x seconds held. PEAK MEM: most bytes retained at once.\n"
     )
+    out.write(_unavailable(data.get("costs") or {}))
     _recommendation(rec, out)
     for flag in data.get("flags") or []:
         out.write(f"\n[{flag['severity']}] {flag['id']}: {flag['summary']}\n  fix: {flag['fix']}\n")
 
 
+def _rests_on(evidence: dict[str, Any]) -> str:
+    """What an accepted recommendation rests on, in a few words."""
+    parts = []
+    handoffs = evidence.get("hand-offs") or {}
+    if "handoffs" in handoffs:
+        parts.append(f"{handoffs['handoffs']} hand-offs")
+    for name in ("recompute fit", "pull fit"):
+        if name in evidence:
+            parts.append(f"{name} {_fit_facts(evidence[name])}")
+    return "; ".join(parts)
+
+
+def _refused(evidence: dict[str, Any]) -> str:
+    """Why the gate refused a recommendation, pointing at the fits above rather than repeating them."""
+    if evidence.get("accepted", True):
+        return ""
+    parts = []
+    handoffs = evidence.get("hand-offs") or {}
+    if handoffs and not handoffs.get("accepted"):
+        parts.append(f"{handoffs['handoffs']} hand-offs to a next turn (need {handoffs['minimum']})")
+    fits = [n for n in ("recompute fit", "pull fit") if n in evidence and not evidence[n].get("accepted")]
+    if fits:
+        parts.append(f"{' and '.join(fits)} not accepted (see costs above)")
+    return "not enough evidence: " + "; ".join(parts) if parts else ""
+
+
 def _recommendation(rec: dict[str, Any], out: TextIO) -> None:
     ttl = rec.get("decoder_kv_blocks_ttl_s")
     thr = rec.get("kv_recompute_threshold")
-    out.write("\nrecommended: ")
+    details = rec.get("details") or {}
     parts = []
     if ttl is not None:
         parts.append(f"decoder_kv_blocks_ttl={ttl:g}s, router handle TTL={rec.get('router_handle_ttl_s'):g}s")
     if thr is not None:
         parts.append(f"kv_recompute_threshold={thr}")
-    out.write(", ".join(parts) or "no change")
-    out.write(f"\n  TTL: {rec.get('ttl_reason')}\n  threshold: {rec.get('threshold_reason')}\n")
+    out.write("\nrecommended: " + (", ".join(parts) or "nothing") + "\n")
+    for label, key in (("TTL", "decoder_kv_blocks_ttl_s"), ("threshold", "kv_recompute_threshold")):
+        item = details.get(key) or {}
+        evidence = item.get("evidence") or {}
+        out.write(f"  {label}: {_refused(evidence) or item.get('reason')}\n")
+        if evidence.get("accepted"):
+            out.write(f"    rests on {_rests_on(evidence)}\n")
+        elif item.get("need"):
+            out.write(f"    {item['need']}\n")
     vs = rec.get("vs_current")
     if vs:
         out.write(

@@ -16,6 +16,7 @@ from otelkv.analysis.sources import InMemorySource
 from otelkv.analysis.tune.window import tune
 from otelkv.cli.main import main
 from otelkv.cli.tune_cmd import parse_size, show_tune
+from tests.schema import assert_valid
 from tests.unit.test_diagnose import T0, S
 from tests.unit.test_tune_window import check_answer, scenario
 
@@ -53,9 +54,9 @@ def test_tune_on_a_chdb_store_directory(tmp_path: Path) -> None:
 
     done = _run_cli("--store", str(tmp_path / "traces"), "--since", "3h", "--json")
     assert done.returncode == 0, done.stderr
-    data = json.loads(done.stdout)
+    data = assert_valid(json.loads(done.stdout))
     check_answer(data)
-    assert data["window"]["turns_in_window"] == 8
+    assert data["window"]["turns_in_window"] == 24
 
     text = _run_cli("--store", str(tmp_path / "traces"), "--since", "3h", "--ttl", "30s,1m")
     assert text.returncode == 0, text.stderr
@@ -69,10 +70,39 @@ def test_tune_on_a_chdb_store_directory(tmp_path: Path) -> None:
     )
     assert "[warning] router_ttl_above_decode_ttl" in text.stdout
 
-    # Nothing in a window that ends before the spans: an answer, not an error.
+    # Nothing in a window that starts after the spans: an answer (exit 0), one line, not tables of zeros.
     empty = _run_cli("--store", str(tmp_path / "traces"), "--since", "1h", "--json")
     assert empty.returncode == 0, empty.stderr
-    assert json.loads(empty.stdout)["window"]["turns"] == 0
+    answer = assert_valid(json.loads(empty.stdout))
+    assert answer["window"]["turns"] == 0 and answer["window"]["empty"] == "no turns in the window"
+    assert answer["recommended"]["kv_recompute_threshold"] is None and answer["grid"] == []
+    text = _run_cli("--store", str(tmp_path / "traces"), "--since", "1h")
+    assert text.returncode == 0, text.stderr
+    assert len(text.stdout.splitlines()) == 1
+    assert text.stdout.startswith("otelkv tune: no turns in the window (")
+
+
+def test_tune_on_an_empty_store(tmp_path: Path) -> None:
+    """A real chDB store that holds nothing at all: the same one-line answer, exit 0 (docs/tune.md)."""
+    from otelkv.store.chdb_store import ChdbStore
+
+    ChdbStore(tmp_path / "traces").close()
+    done = _run_cli("--store", str(tmp_path / "traces"), "--since", "1d")
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stdout.startswith("otelkv tune: no turns in the window (") and len(done.stdout.splitlines()) == 1
+    )
+    assert "None" not in done.stdout and "0.00s" not in done.stdout
+    data = assert_valid(
+        json.loads(_run_cli("--store", str(tmp_path / "traces"), "--since", "1d", "--json").stdout)
+    )
+    details = data["recommended"]["details"]
+    assert {k: v["recommendation"] for k, v in details.items()} == {
+        "decoder_kv_blocks_ttl_s": None,
+        "kv_recompute_threshold": None,
+        "router_handle_ttl_s": None,
+    }
+    assert details["kv_recompute_threshold"]["reason"] == "no turns in the window"
 
 
 def test_terminal_rendering() -> None:
@@ -80,16 +110,41 @@ def test_terminal_rendering() -> None:
     out = io.StringIO()
     show_tune(data, out)
     text = out.getvalue()
-    assert "otelkv tune: 8 turns, 4 hand-offs to a next turn" in text
-    assert "recompute  1.0000 ms/token   [least_squares, n=5" in text
-    assert "pull       20.00 ms + 10.000 ns/byte (9.8 KiB/token)   [least_squares, n=3" in text
+    assert "otelkv tune: 24 turns, 12 hand-offs to a next turn" in text
+    assert (
+        "recompute  1.00 ms/token   [n=15, r² 1.00, residual 0 ms (0% of the mean), sizes 4.0x apart]" in text
+    )
+    assert "pull       20.0 ms + 10.0 ns/byte (9.8 KiB/token)   [n=9, r² 1.00" in text
     assert "break-even 22 tokens" in text
-    assert "decides 4 of 4 hand-offs as recorded" in text
+    assert "decides 12 of 12 hand-offs as recorded" in text
     now = next(line for line in text.splitlines() if line.startswith("now"))
-    assert now.split()[:6] == ["now", "30.0s", "28.0s", "3", "0", "0.70s"]
+    assert now.split()[:7] == ["now", "30.0s", "28.0s", "9", "0", "2.10s", "-1.71s"]
     picked = next(line for line in text.splitlines() if line.startswith("->"))
-    assert picked.split()[:6] == ["->", "1m00s", "54.0s", "4", "0", "1.04s"]
-    assert "vs in force: pulls +1, failed +0, TTFT -0.29s" in text
+    assert picked.split()[:6] == ["->", "1m00s", "54.0s", "12", "0", "3.12s"]
+    assert "vs in force: pulls +3, failed +0, TTFT -0.86s" in text
+    assert (
+        "  threshold: break-even 22 tokens rounded up to a multiple of 16\n    rests on recompute fit n=15"
+        in text
+    )
+    assert "n/a" not in text and "not enough evidence" not in text
+
+
+def test_terminal_rendering_of_weak_evidence() -> None:
+    """Two conversations (2 prefill samples, 2 pulls): counts shown, seconds n/a, no recommended number."""
+    data = tune(InMemorySource(scenario()), since_ns=None, until_ns=T0 + int(450 * S))
+    out = io.StringIO()
+    show_tune(data, out)
+    text = out.getvalue()
+    assert "  recompute  not enough evidence (n=2, r² 1.00" in text
+    assert "2 prefill requests (need 8)" in text and "2 pulls (need 8)" in text
+    now = next(line for line in text.splitlines() if line.startswith("now"))
+    assert now.split()[:7] == ["now", "30.0s", "28.0s", "2", "0", "n/a", "n/a"]
+    assert "n/a: PREFILL SAVED and TTFT CHANGE are unavailable" in text
+    assert "\nrecommended: nothing\n" in text
+    assert "  threshold: not enough evidence: recompute fit and pull fit not accepted" in text
+    assert "  TTL: not enough evidence: 2 hand-offs to a next turn (need 10);" in text
+    assert "run longer or under load" in text
+    assert "ms/token" not in text and "ns/byte" not in text and "break-even" not in text
 
 
 def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -99,7 +154,7 @@ def test_bad_options_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
     assert main(["tune", "--store", store, "--ttl", "soon"]) == 2
     assert "bad duration 'soon'" in capsys.readouterr().err
     assert main(["tune", "--store", store, "--target-share", "1.5"]) == 2
-    assert main(["tune", "--store", store]) == 2  # no store there
+    assert main(["tune", "--store", store]) == 3  # no store there: not found
     assert "no store at" in capsys.readouterr().err
 
 

@@ -20,9 +20,20 @@ from otelkv.analysis.tune.replay import (
 )
 
 S = 1_000_000_000
+
+
+def accepted_fit(unit: str, intercept: float, slope: float, *, samples: int = 20) -> LinearFit:
+    """An exact line over sizes 100..10000 (tokens or bytes x 10 kB) that passes the evidence gate
+    with the default ``samples`` (pass fewer to build one it rejects)."""
+    scale = 1 if unit == "token" else 10_000
+    lo, hi = 100 * scale, 10_000 * scale
+    mean = intercept + slope * (lo + hi) / 2
+    return LinearFit(unit, intercept, slope, samples, METHOD_LEAST_SQUARES, 0.0, 1.0, "", lo, hi, mean)
+
+
 COSTS = CostModel(
-    LinearFit("token", 0.01, 0.001, 3, METHOD_LEAST_SQUARES),  # 1 ms per token recomputed
-    LinearFit("byte", 0.02, 1e-8, 3, METHOD_LEAST_SQUARES),  # 20 ms + 10 ns per byte pulled
+    accepted_fit("token", 0.01, 0.001),  # 1 ms per token recomputed
+    accepted_fit("byte", 0.02, 1e-8),  # 20 ms + 10 ns per byte pulled
     Geometry(10_000, 100_000, "kv_transfer"),  # 10 kB per token, 100 kB per block
 )
 
@@ -101,6 +112,20 @@ def test_replay_without_router_ttl_fails_late_reads_and_lower_threshold_pulls_mo
     longer = replay(HANDOFFS, Setting(60.0, 64, 54.0), COSTS)
     assert longer.pulls == 2 and longer.failed == 0  # the 40 s gap is caught
     assert longer.block_seconds == pytest.approx(20 * 10 + 40 * 40 + 10 * 3 + 30 * 60)
+
+
+def test_seconds_need_the_fits_they_rest_on() -> None:
+    """A recompute fit the gate rejects: prefill saved and TTFT change are None; counts, pull wait stay."""
+    weak = CostModel(accepted_fit("token", 0.01, 0.001, samples=5), COSTS.pull, COSTS.geometry)
+    r = replay(HANDOFFS, Setting(30.0, 64, 24.0), weak)
+    good = replay(HANDOFFS, Setting(30.0, 64, 24.0), COSTS)
+    assert (r.pulls, r.pulled_tokens, r.block_seconds) == (good.pulls, good.pulled_tokens, good.block_seconds)
+    assert r.prefill_saved_s is None and r.ttft_delta_s is None
+    assert r.pull_wait_s == pytest.approx(0.02 + 1e-8 * 500 * 10_000)  # the one 500-token pull
+    no_pull = replay(
+        HANDOFFS, Setting(30.0, 64, 24.0), CostModel(COSTS.recompute, weak.recompute, COSTS.geometry)
+    )
+    assert no_pull.prefill_saved_s == pytest.approx(0.5) and no_pull.pull_wait_s is None
 
 
 def test_peak_touching_intervals_do_not_overlap() -> None:

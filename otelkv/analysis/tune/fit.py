@@ -11,8 +11,11 @@ them from the decode node, so it needs both prices on *this* fleet, not a datash
   for its KV against bytes read: a fixed part (handshake, posting, notification) and a
   per-byte slope. The fixed part is what makes small pulls lose to recomputing.
 
-Both report their sample count and residual spread, and fall back - saying so - when the
-samples cannot carry a line: too few of them, no spread in size, or a slope of the wrong sign.
+Both report their sample count, r² and residual spread and pass the evidence gate of
+:mod:`.evidence` before anything is priced with them: a line with too few samples, a slope
+that is not positive (time did not grow with size), a poor r², a large residual or sizes
+too close together is reported with its evidence and not used. There is no fallback price:
+a number from samples that cannot carry a line would be a guess.
 Units: seconds, tokens, bytes.
 """
 
@@ -25,26 +28,31 @@ from typing import Any
 
 from otelkv import names
 from otelkv.analysis.diagnose import pull_seconds
-from otelkv.analysis.model import Leg, Turn, per_token_compute_s
+from otelkv.analysis.model import Leg, Turn
+from otelkv.analysis.tune.evidence import MIN_FIT_SAMPLES, MIN_SIZE_RATIO, Evidence, judge_fit
 
-MIN_SAMPLES = 3
-"""Fewest samples for a least-squares line (two points fit any line exactly: no residual)."""
 MIN_COMPUTED_TOKENS = 16
 """Prefill requests computing fewer tokens are left out: fixed overhead is all they measure."""
 
 METHOD_LEAST_SQUARES = "least_squares"
-METHOD_THROUGH_ORIGIN = "through_origin"
-"""No fixed part: the mean cost per unit (too few samples, or a negative intercept)."""
-METHOD_FASTEST_RATE = "fastest_rate"
-"""Recompute only: the fastest observed seconds per token (``per_token_compute_s``)."""
-METHOD_FIXED = "fixed"
-"""Pull only: cost did not grow with size in the samples, so their mean, whatever the size."""
 METHOD_NONE = "none"
+"""No line: no samples, or all of one size."""
+
+RECOMPUTE_NEED = (
+    f"≥ {MIN_FIT_SAMPLES} finished prefill requests that pulled nothing, of prompt lengths at least "
+    f"{MIN_SIZE_RATIO:g}x apart"
+)
+"""What the recompute fit needs to pass the gate, in words."""
+PULL_NEED = f"≥ {MIN_FIT_SAMPLES} hand-offs that pulled, of sizes at least {MIN_SIZE_RATIO:g}x apart"
+"""What the pull fit needs to pass the gate, in words."""
 
 
 @dataclass(frozen=True)
 class LinearFit:
-    """``seconds = intercept_s + slope_s * x``, with how well the samples bore it out."""
+    """``seconds = intercept_s + slope_s * x``, with how well the samples bore it out.
+
+    :attr:`evidence` is the gate's verdict; only an accepted fit prices anything.
+    """
 
     unit: str
     intercept_s: float
@@ -52,13 +60,42 @@ class LinearFit:
     samples: int
     method: str
     residual_s: float | None = None
-    """Root mean square of the residuals, seconds (None: the method leaves none to measure)."""
+    """Root mean square of the residuals, seconds."""
     r2: float | None = None
     note: str = ""
+    size_min: float | None = None
+    """Smallest and largest sample size (tokens or bytes)."""
+    size_max: float | None = None
+    mean_s: float | None = None
+    """Mean sample, seconds (what the residual is measured against)."""
 
     @property
     def usable(self) -> bool:
+        """A line exists (whatever its quality)."""
         return self.method != METHOD_NONE
+
+    @property
+    def evidence(self) -> Evidence:
+        unit = self.unit
+        return judge_fit(
+            what="prefill requests" if unit == "token" else "pulls",
+            subject="prefill time" if unit == "token" else "pull time",
+            size_unit="prompt length" if unit == "token" else "size",
+            cost=f"per-{unit}",
+            samples=self.samples,
+            has_line=self.usable,
+            slope=self.slope_s,
+            r2=self.r2,
+            residual_s=self.residual_s,
+            mean_s=self.mean_s,
+            size_min=self.size_min,
+            size_max=self.size_max,
+            need=RECOMPUTE_NEED if unit == "token" else PULL_NEED,
+        )
+
+    @property
+    def accepted(self) -> bool:
+        return self.evidence.accepted
 
     def predict(self, x: float) -> float:
         return self.intercept_s + self.slope_s * x
@@ -72,7 +109,10 @@ class LinearFit:
             "method": self.method,
             "residual_rms_s": _r(self.residual_s),
             "r2": _r(self.r2, 4),
+            f"{self.unit}s_min": self.size_min,
+            f"{self.unit}s_max": self.size_max,
             "note": self.note,
+            "evidence": self.evidence.as_dict(),
         }
 
 
@@ -104,26 +144,19 @@ def _spread(
     return math.sqrt(ss_res / len(ys)), (1 - ss_res / ss_tot) if ss_tot > 0 else None
 
 
-def _line(
-    unit: str,
-    xs: Sequence[float],
-    ys: Sequence[float],
-    intercept: float,
-    slope: float,
-    method: str,
-    note: str = "",
-) -> LinearFit:
-    residual, r2 = _spread(xs, ys, intercept, slope)
-    return LinearFit(
-        unit,
-        intercept,
-        slope,
-        len(xs),
-        method,
-        residual,
-        r2 if method == METHOD_LEAST_SQUARES else None,
-        note,
-    )
+def fit_line(unit: str, samples: Sequence[tuple[float, float]], empty_note: str) -> LinearFit:
+    """The least-squares line through ``(size, seconds)`` samples, or :data:`METHOD_NONE` without one."""
+    xs, ys = [s[0] for s in samples], [s[1] for s in samples]
+    if not samples:
+        return LinearFit(unit, 0.0, 0.0, 0, METHOD_NONE, note=empty_note)
+    sizes = {"size_min": min(xs), "size_max": max(xs), "mean_s": sum(ys) / len(ys)}
+    line = least_squares(xs, ys)
+    if line is None:
+        return LinearFit(
+            unit, 0.0, 0.0, len(xs), METHOD_NONE, note=f"every sample has the same {unit} count", **sizes
+        )
+    residual, r2 = _spread(xs, ys, *line)
+    return LinearFit(unit, line[0], line[1], len(xs), METHOD_LEAST_SQUARES, residual, r2, **sizes)
 
 
 def prefill_legs(turns: Iterable[Turn]) -> list[Leg]:
@@ -147,34 +180,10 @@ def fit_recompute(turns: Sequence[Turn]) -> LinearFit:
         for leg in prefill_legs(turns)
         if _finished(leg) and not leg.pulled and leg.computed and leg.computed >= MIN_COMPUTED_TOKENS
     ]
-    xs, ys = [s[0] for s in samples], [s[1] for s in samples]
-    line = least_squares(xs, ys) if len(samples) >= MIN_SAMPLES else None
-    if line is not None and line[1] > 0:
-        return _line("token", xs, ys, line[0], line[1], METHOD_LEAST_SQUARES)
-    pool = [t for turn in turns for t in (turn, turn.previous) if t is not None]
-    rate = per_token_compute_s(pool, min_tokens=MIN_COMPUTED_TOKENS)
-    if rate is None:
-        return LinearFit(
-            "token",
-            0.0,
-            0.0,
-            0,
-            METHOD_NONE,
-            note="no finished prefill request computed "
-            f"{MIN_COMPUTED_TOKENS}+ tokens: recompute cost unknown",
-        )
-    why = (
-        f"{len(samples)} usable prefill spans (least squares needs {MIN_SAMPLES} of different sizes)"
-        if line is None
-        else "least squares gave a non-positive slope (queueing noise)"
-    )
-    return LinearFit(
+    return fit_line(
         "token",
-        0.0,
-        rate,
-        len(samples),
-        METHOD_FASTEST_RATE,
-        note=f"{why}: fastest observed seconds per token instead, an upper bound on compute",
+        samples,
+        f"no finished prefill request computed {MIN_COMPUTED_TOKENS}+ tokens without pulling",
     )
 
 
@@ -188,39 +197,7 @@ def fit_pull(turns: Sequence[Turn]) -> LinearFit:
         seconds = pull_seconds(leg)
         if t.bytes > 0 and seconds is not None and seconds > 0:
             samples.append((float(t.bytes), seconds))
-    xs, ys = [s[0] for s in samples], [s[1] for s in samples]
-    if not samples:
-        return LinearFit(
-            "byte", 0.0, 0.0, 0, METHOD_NONE, note="no successful D->P pull recorded: pull cost unknown"
-        )
-    line = least_squares(xs, ys) if len(samples) >= MIN_SAMPLES else None
-    if line is not None and line[0] >= 0 and line[1] >= 0:
-        return _line("byte", xs, ys, line[0], line[1], METHOD_LEAST_SQUARES)
-    if line is not None and line[1] < 0:
-        mean = sum(ys) / len(ys)
-        return _line(
-            "byte",
-            xs,
-            ys,
-            mean,
-            0.0,
-            METHOD_FIXED,
-            "pull time did not grow with bytes in these samples: their mean, whatever the size",
-        )
-    why = (
-        "least squares gave a negative fixed cost"
-        if line is not None
-        else (f"{len(samples)} pulls (a fixed part needs {MIN_SAMPLES} of different sizes)")
-    )
-    return _line(
-        "byte",
-        xs,
-        ys,
-        0.0,
-        sum(ys) / sum(xs),
-        METHOD_THROUGH_ORIGIN,
-        f"{why}: mean seconds per byte, no fixed part (small pulls look cheaper than they are)",
-    )
+    return fit_line("byte", samples, "no successful D->P pull recorded")
 
 
 @dataclass(frozen=True)
@@ -268,32 +245,43 @@ def fit_geometry(turns: Sequence[Turn]) -> Geometry:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Everything the replay prices with."""
+    """Everything the replay prices with, and which prices passed the evidence gate."""
 
     recompute: LinearFit
     pull: LinearFit
     geometry: Geometry
 
     @property
+    def recompute_priced(self) -> bool:
+        """Recompute seconds can be given (the recompute fit passed the gate)."""
+        return self.recompute.accepted
+
+    @property
+    def pull_priced(self) -> bool:
+        """Pull seconds can be given (the pull fit passed the gate and bytes per token are known)."""
+        return self.pull.accepted and self.geometry.bytes_per_token is not None
+
+    @property
     def priced(self) -> bool:
-        """Whether pulls and recomputes can both be priced (else seconds are reported as None)."""
-        return self.recompute.usable and self.pull.usable and self.geometry.bytes_per_token is not None
+        """Pulls and recomputes can both be priced (else first-token changes are reported as None)."""
+        return self.recompute_priced and self.pull_priced
 
     def recompute_s(self, tokens: int) -> float:
         """Marginal prefill seconds of ``tokens`` more tokens (the fixed part is paid either way)."""
         return self.recompute.slope_s * tokens
 
     def pull_s(self, tokens: int) -> float:
-        return self.pull.predict(tokens * (self.geometry.bytes_per_token or 0.0))
+        """Seconds a pull of ``tokens`` waits (never below 0: a negative fixed part is noise around 0)."""
+        return max(self.pull.predict(tokens * (self.geometry.bytes_per_token or 0.0)), 0.0)
 
     def break_even_tokens(self) -> float | None:
-        """Reusable tokens above which a pull beats recomputing; None if it never does (or unknown)."""
+        """Reusable tokens above which a pull beats recomputing; None if it never does or is not priced."""
         if not self.priced:
             return None
         gain = self.recompute.slope_s - self.pull.slope_s * (self.geometry.bytes_per_token or 0.0)
         if gain <= 0:
             return None
-        return self.pull.intercept_s / gain
+        return max(self.pull.intercept_s, 0.0) / gain
 
     def as_dict(self) -> dict[str, Any]:
         be = self.break_even_tokens()

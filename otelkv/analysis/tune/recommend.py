@@ -1,15 +1,20 @@
 """Choosing values from the replayed sweep, and flagging settings that are clearly wrong.
 
+Every recommendation, and every flag that rests on a fitted cost, first passes the evidence
+gate of :mod:`.evidence`; when it does not, the recommendation is None with "not enough
+evidence", the failed checks and what would give it (:class:`Recommendation`).
+
 * **Threshold**: a pull pays off once the recompute it avoids outweighs its fixed cost,
   i.e. above ``break_even = pull_fixed_s / (recompute_s_per_token - pull_s_per_byte x
   bytes_per_token)`` tokens. The threshold does not change memory (the decode node keeps the
   blocks whatever the prefill node decides), so the recommendation is that break-even,
-  rounded up to a multiple of :data:`THRESHOLD_STEP`.
+  rounded up to a multiple of :data:`THRESHOLD_STEP`. Needs both cost fits accepted.
 * **TTL**: longer TTLs catch more turns but hold more memory. The recommendation is the
   shortest TTL in the sweep that keeps ``target_share`` of the TTFT saving of the best TTL
   tried, within the memory budget when one is given - the knee of the curve, not its end.
-* **Router TTL**: always :func:`matched_router_ttl` of the TTL, so the router never forwards
-  a handle the prefill node would decline (which fails the request in vLLM 0.32.0).
+  Needs both cost fits (the saving is in seconds) and :data:`~.evidence.MIN_HANDOFFS` hand-offs.
+* **Router TTL**: always :func:`matched_router_ttl` of the recommended TTL, so the router never
+  forwards a handle the prefill node would decline (which fails the request in vLLM 0.32.0).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from typing import Any
 
 from otelkv import names
 from otelkv.analysis.tune.config import ROUTER_TTL_UNKNOWN, InForce
-from otelkv.analysis.tune.fit import CostModel
+from otelkv.analysis.tune.evidence import MIN_GAPS, MIN_HANDOFFS, Evidence, combined, judge_count
+from otelkv.analysis.tune.fit import CostModel, LinearFit
 from otelkv.analysis.tune.replay import SAFETY_MARGIN_S, Handoff, Replay
 
 THRESHOLD_STEP = 16
@@ -49,8 +55,8 @@ def recommended_threshold(costs: CostModel) -> int | None:
 
 
 def _benefit(row: Replay) -> float:
-    """TTFT seconds saved over the window (pull count when the model cannot price seconds)."""
-    return -row.ttft_delta_s if row.ttft_delta_s is not None else float(row.pulls)
+    """TTFT seconds saved over the window (rows are only compared once both fits are accepted)."""
+    return -row.ttft_delta_s if row.ttft_delta_s is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,109 @@ def choose_ttl(rows: Sequence[Replay], *, target_share: float, budget_bytes: int
     top = max(fits, key=_benefit)
     share = _benefit(top) / best
     return TtlChoice(top, f"the memory budget caps the saving at {share:.0%} of the best TTL tried")
+
+
+NOT_ENOUGH_EVIDENCE = "not enough evidence"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One recommended setting, or None with why not; always with the evidence it rests on."""
+
+    value: float | None
+    reason: str
+    evidence: Evidence
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "recommendation": self.value,
+            "reason": self.reason,
+            "need": self.evidence.need or None,
+            "evidence": self.evidence.as_dict(),
+        }
+
+
+def fit_evidence(costs: CostModel) -> Evidence:
+    """Both cost fits through the gate (what the threshold and every seconds figure rest on)."""
+    return combined({"recompute fit": costs.recompute.evidence, "pull fit": costs.pull.evidence})
+
+
+def _refused(evidence: Evidence) -> str:
+    return f"{NOT_ENOUGH_EVIDENCE}: {evidence.reason}"
+
+
+def recommend_threshold(costs: CostModel) -> Recommendation:
+    """The break-even threshold when both fits pass the gate; otherwise None, saying why."""
+    evidence = fit_evidence(costs)
+    if not evidence.accepted:
+        return Recommendation(None, _refused(evidence), evidence)
+    be = costs.break_even_tokens()
+    if costs.geometry.bytes_per_token is None:
+        return Recommendation(None, "KV bytes per token unknown: no pull can be priced", evidence)
+    if be is None:
+        return Recommendation(
+            None, "pulls never beat recomputing on this link (see pull_never_faster)", evidence
+        )
+    return Recommendation(
+        recommended_threshold(costs),
+        f"break-even {be:.0f} tokens rounded up to a multiple of {THRESHOLD_STEP}",
+        evidence,
+    )
+
+
+def ttl_evidence(costs: CostModel, hs: Sequence[Handoff]) -> Evidence:
+    """What a TTL recommendation rests on: enough hand-offs and both fits (its saving is in seconds)."""
+    count = sum(1 for h in hs if h.gap_s is not None)
+    return combined(
+        {
+            "hand-offs": judge_count(
+                count,
+                MIN_HANDOFFS,
+                key="handoffs",
+                what="hand-offs to a next turn",
+                need=f"≥ {MIN_HANDOFFS} hand-offs (a turn followed by its conversation's next turn)",
+            ),
+            "recompute fit": costs.recompute.evidence,
+            "pull fit": costs.pull.evidence,
+        }
+    )
+
+
+def recommend_ttl(
+    rows: Sequence[Replay],
+    costs: CostModel,
+    hs: Sequence[Handoff],
+    *,
+    target_share: float,
+    budget_bytes: int | None,
+) -> tuple[Recommendation, Replay | None]:
+    """The knee of the TTL sweep when the evidence holds, with the replayed row it picked."""
+    evidence = ttl_evidence(costs, hs)
+    if not evidence.accepted:
+        return Recommendation(None, _refused(evidence), evidence), None
+    choice = choose_ttl(rows, target_share=target_share, budget_bytes=budget_bytes)
+    value = choice.row.setting.ttl_s if choice.row else None
+    return Recommendation(value, choice.reason, evidence), choice.row
+
+
+def recommend_router_ttl(ttl: Recommendation) -> Recommendation:
+    """The router TTL matched to the recommended decode TTL (the same evidence)."""
+    evidence = Evidence(
+        ttl.evidence.accepted, {"follows": "decoder_kv_blocks_ttl_s"}, ttl.evidence.reason, ttl.evidence.needs
+    )
+    if ttl.value is None:
+        return Recommendation(None, "follows the decode TTL, and none is recommended", evidence)
+    return Recommendation(
+        matched_router_ttl(ttl.value),
+        f"the recommended decode TTL - {SAFETY_MARGIN_S:g}s vLLM safety margin - {ROUTER_SLACK_S:g}s",
+        evidence,
+    )
+
+
+def _fit_facts(fit: LinearFit) -> dict[str, Any]:
+    """The evidence a flag resting on ``fit`` prints: samples, r² and relative residual."""
+    e = fit.evidence.facts
+    return {"samples": e["samples"], "r2": e["r2"], "relative_residual": e["relative_residual"]}
 
 
 @dataclass(frozen=True)
@@ -149,7 +258,7 @@ def _router_flag(cfg: InForce, current: Replay | None) -> Flag | None:
 
 def _gap_flag(cfg: InForce, hs: Sequence[Handoff], suggested: float | None) -> Flag | None:
     gaps = [h.gap_s for h in hs if h.gap_s is not None]
-    if cfg.ttl_s is None or not gaps:
+    if cfg.ttl_s is None or len(gaps) < MIN_GAPS:
         return None
     median = statistics.median(gaps)
     if median + SAFETY_MARGIN_S < cfg.ttl_s:
@@ -177,8 +286,9 @@ def _gap_flag(cfg: InForce, hs: Sequence[Handoff], suggested: float | None) -> F
 def _threshold_flags(
     cfg: InForce, costs: CostModel, hs: Sequence[Handoff], current: Replay | None
 ) -> list[Flag]:
-    if not costs.priced or cfg.threshold is None:
+    if not costs.priced or cfg.threshold is None:  # priced: both fits passed the evidence gate
         return []
+    fits = {"recompute_fit": _fit_facts(costs.recompute), "pull_fit": _fit_facts(costs.pull)}
     thr = cfg.threshold
     be = costs.break_even_tokens()
     rec = recommended_threshold(costs)
@@ -196,6 +306,7 @@ def _threshold_flags(
                     "pull_s_per_byte": costs.pull.slope_s,
                     "bytes_per_token": costs.geometry.bytes_per_token,
                     "modelled_pulls": pulls,
+                    **fits,
                 },
                 "Raise kv_recompute_threshold above the longest reusable prefix "
                 "(or turn bidirectional_kv_xfer off), "
@@ -218,6 +329,7 @@ def _threshold_flags(
                     "break_even_tokens": round(be, 1),
                     "losing_pulls": len(losing),
                     "seconds_lost": round(lost, 6),
+                    **fits,
                 },
                 f"Raise kv_recompute_threshold to {rec}.",
             )
@@ -237,6 +349,7 @@ def _threshold_flags(
                     "break_even_tokens": round(be, 1),
                     "missed_pulls": len(missed),
                     "seconds_missed": round(gain, 6),
+                    **fits,
                 },
                 f"Lower kv_recompute_threshold to {rec}.",
             )
@@ -260,7 +373,12 @@ def _mixed_flag(cfg: InForce) -> Flag | None:
 def flags(
     cfg: InForce, costs: CostModel, hs: Sequence[Handoff], current: Replay | None, suggested_ttl: float | None
 ) -> list[Flag]:
-    """Every flag that applies, errors first."""
+    """Every flag that applies, errors first.
+
+    Flags that rest on fitted costs (``threshold_*``, ``pull_never_faster``) need both fits
+    through the evidence gate; ``ttl_below_common_gap`` needs :data:`~.evidence.MIN_GAPS` gaps;
+    the router and mixed-configuration flags rest on recorded settings alone.
+    """
     found = [_router_flag(cfg, current), _gap_flag(cfg, hs, suggested_ttl), _mixed_flag(cfg)]
     out = [f for f in found if f is not None] + _threshold_flags(cfg, costs, hs, current)
     return sorted(out, key=lambda f: f.severity != SEVERITY_ERROR)

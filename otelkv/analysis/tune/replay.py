@@ -200,7 +200,12 @@ def peak(intervals: Iterable[tuple[int, int, int, int]]) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Replay:
-    """The window under one setting. Seconds are None when the cost model cannot price them."""
+    """The window under one setting.
+
+    Counts, block-seconds and memory are facts of the replay (recorded gaps and sizes). Seconds
+    are None when the fit they rest on did not pass the evidence gate: prefill saved needs the
+    recompute fit, pull wait the pull fit, the first-token change both.
+    """
 
     setting: Setting
     handoffs: int
@@ -267,15 +272,14 @@ def replay(hs: Sequence[Handoff], s: Setting, costs: CostModel) -> Replay:
             saved += costs.recompute_s(h.reusable_tokens)
             wait += costs.pull_s(h.reusable_tokens)
     top_bytes, top_blocks = peak(intervals)
-    priced = costs.priced
     return Replay(
         setting=s,
         handoffs=sum(n for f, n in fates.items() if f != NO_NEXT_TURN),
         fates=dict(fates),
         pulled_tokens=pulled,
-        prefill_saved_s=saved if priced else None,
-        pull_wait_s=wait if priced else None,
-        ttft_delta_s=(wait - saved) if priced else None,
+        prefill_saved_s=saved if costs.recompute_priced else None,
+        pull_wait_s=wait if costs.pull_priced else None,
+        ttft_delta_s=(wait - saved) if costs.priced else None,
         block_seconds=block_s,
         peak_bytes=top_bytes,
         peak_blocks=top_blocks,

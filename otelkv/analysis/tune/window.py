@@ -19,10 +19,12 @@ from otelkv.analysis.tune.config import InForce, in_force
 from otelkv.analysis.tune.fit import fit_costs
 from otelkv.analysis.tune.recommend import (
     ROUTER_SLACK_S,
-    choose_ttl,
+    Recommendation,
     flags,
     matched_router_ttl,
-    recommended_threshold,
+    recommend_router_ttl,
+    recommend_threshold,
+    recommend_ttl,
 )
 from otelkv.analysis.tune.replay import (
     SAFETY_MARGIN_S,
@@ -162,33 +164,58 @@ def _vs(row: Replay, base: Replay | None) -> dict[str, Any] | None:
     }
 
 
+def empty_reason(turns: Sequence[Turn], hs: Sequence[Handoff]) -> str | None:
+    """One line when the window holds nothing to replay (None when it does)."""
+    if not turns:
+        return "no turns in the window"
+    if not any(h.gap_s is not None for h in hs):
+        return (
+            f"{len(turns)} turn{'s' if len(turns) != 1 else ''} but no hand-off to a next turn in the window "
+            "(no conversation has a turn after one that ran a decode request): nothing to replay"
+        )
+    return None
+
+
 def tune_turns(turns: Sequence[Turn], options: TuneOptions | None = None) -> dict[str, Any]:
-    """The whole answer for modelled turns (pure: no store access)."""
+    """The whole answer for modelled turns (pure: no store access).
+
+    Every recommendation is gated on evidence (:mod:`.evidence`): ``recommended`` holds the
+    values (None when the gate refused) and, in ``details`` under the same keys, the reason,
+    what is missing and the evidence. ``window.empty`` is one line when there is nothing to
+    replay; the sweeps and the grid are then empty.
+    """
     options = options or TuneOptions()
     cfg = in_force(turns, router_ttl_s=options.router_ttl_s)
     costs = fit_costs(turns)
     hs = handoffs(turns, costs.geometry)
+    empty = empty_reason(turns, hs)
     current = None
-    if cfg.ttl_s is not None:
+    if cfg.ttl_s is not None and not empty:
         now = Setting(
             cfg.ttl_s,
             cfg.threshold if cfg.threshold is not None else VLLM_DEFAULT_THRESHOLD,
             cfg.router_ttl_s,
         )
         current = replay(hs, now, costs)
-    rec_thr = recommended_threshold(costs)
+    threshold = recommend_threshold(costs)
+    rec_thr = int(threshold.value) if threshold.value is not None else None
     sweep_thr = rec_thr if rec_thr is not None else (cfg.threshold or VLLM_DEFAULT_THRESHOLD)
-    ttls = ttl_candidates(options.ttls_s, cfg, hs)
-    thresholds = threshold_candidates(options.thresholds, cfg, rec_thr)
+    ttls = ttl_candidates(options.ttls_s, cfg, hs) if not empty else []
+    thresholds = threshold_candidates(options.thresholds, cfg, rec_thr) if not empty else []
     grid = {(t, k): replay(hs, Setting(t, k, matched_router_ttl(t)), costs) for t in ttls for k in thresholds}
     if sweep_thr not in thresholds:
         for t in ttls:
             grid[(t, sweep_thr)] = replay(hs, Setting(t, sweep_thr, matched_router_ttl(t)), costs)
     ttl_rows = [grid[(t, sweep_thr)] for t in ttls]
-    choice = choose_ttl(ttl_rows, target_share=options.target_share, budget_bytes=options.memory_budget_bytes)
-    chosen_ttl = choice.row.setting.ttl_s if choice.row else (cfg.ttl_s or (ttls[-1] if ttls else None))
+    ttl, picked = recommend_ttl(
+        ttl_rows, costs, hs, target_share=options.target_share, budget_bytes=options.memory_budget_bytes
+    )
+    if empty:
+        ttl = Recommendation(None, empty, ttl.evidence)
+        threshold = Recommendation(None, empty, threshold.evidence)
+    router = recommend_router_ttl(ttl)
+    chosen_ttl = ttl.value if ttl.value is not None else (cfg.ttl_s or (ttls[-1] if ttls else None))
     threshold_rows = [grid[(chosen_ttl, k)] for k in thresholds] if chosen_ttl in ttls else []
-    be = costs.break_even_tokens()
     return {
         "schema_version": turn_json.SCHEMA_VERSION,
         "kind": "tune",
@@ -197,6 +224,7 @@ def tune_turns(turns: Sequence[Turn], options: TuneOptions | None = None) -> dic
             "handoffs": len(hs),
             "handoffs_with_next_turn": sum(1 for h in hs if h.gap_s is not None),
             "retentions_estimated": sum(1 for h in hs if h.estimated),
+            "empty": empty,
         },
         "in_force": cfg.as_dict(),
         "gaps": _gap_summary(hs),
@@ -204,24 +232,23 @@ def tune_turns(turns: Sequence[Turn], options: TuneOptions | None = None) -> dic
         "model_check": model_check(hs, current.setting) if current else None,
         "current": current.as_dict() if current else None,
         "recommended": {
-            "decoder_kv_blocks_ttl_s": chosen_ttl if choice.row else None,
-            "kv_recompute_threshold": rec_thr,
-            "router_handle_ttl_s": matched_router_ttl(chosen_ttl) if choice.row and chosen_ttl else None,
-            "ttl_reason": choice.reason,
-            "threshold_reason": (
-                f"break-even {be:.0f} tokens rounded up"
-                if be is not None and rec_thr is not None
-                else costs.recompute.note or costs.pull.note or "pulls never beat recomputing on this link"
-            ),
-            "replay": choice.row.as_dict() if choice.row else None,
-            "vs_current": _vs(choice.row, current) if choice.row else None,
+            "decoder_kv_blocks_ttl_s": ttl.value,
+            "kv_recompute_threshold": rec_thr if threshold.value is not None else None,
+            "router_handle_ttl_s": router.value,
+            "details": {
+                "decoder_kv_blocks_ttl_s": ttl.as_dict(),
+                "kv_recompute_threshold": threshold.as_dict(),
+                "router_handle_ttl_s": router.as_dict(),
+            },
+            "replay": picked.as_dict() if picked else None,
+            "vs_current": _vs(picked, current) if picked else None,
         },
-        "sweep_threshold": sweep_thr,
+        "sweep_threshold": sweep_thr if not empty else None,
         "ttl_sweep": [r.as_dict() for r in ttl_rows],
-        "sweep_ttl_s": chosen_ttl,
+        "sweep_ttl_s": chosen_ttl if threshold_rows else None,
         "threshold_sweep": [r.as_dict() for r in threshold_rows],
         "grid": [grid[key].as_dict() for key in sorted(grid)],
-        "flags": [f.as_dict() for f in flags(cfg, costs, hs, current, chosen_ttl if choice.row else None)],
+        "flags": [f.as_dict() for f in flags(cfg, costs, hs, current, ttl.value)],
         "assumptions": list(ASSUMPTIONS),
     }
 
