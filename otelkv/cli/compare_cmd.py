@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from otelkv.cli.errors import EXIT_UNAVAILABLE
 from otelkv.cli.query_cmds import EXIT_ERROR, EXIT_OK
-from otelkv.cli.source import QueryError, open_local
+from otelkv.cli.source import QueryError, UnavailableError, open_local
 
 
 def add_compare_command(subparsers: Any) -> None:
@@ -30,6 +31,12 @@ def add_compare_command(subparsers: Any) -> None:
     compare.add_argument("b", metavar="B", help="run B: a store directory or a ClickHouse URL")
     compare.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.add_argument(
+        "--trace-url",
+        metavar="TEMPLATE",
+        help="in the HTML report, link each trace id to this URL with {trace_id} replaced, e.g. "
+        "your Tempo or Grafana Explore (default: trace ids as plain text)",
+    )
     compare.add_argument(
         "--regression",
         type=float,
@@ -52,13 +59,17 @@ def _is_url(where: str) -> bool:
 
 
 def load(where: str, label: str) -> Any:
-    """One run, read and closed (QueryError when it cannot be opened)."""
+    """One run, read and closed (a :class:`QueryError` subclass when it cannot be opened or read:
+    its exit code says whether it is missing, malformed or unreachable)."""
     from otelkv.analysis.compare.rows import load_run, read_manifest
+    from otelkv.store.base import StoreError
 
     querier = open_local(clickhouse_url=where) if _is_url(where) else open_local(path=where)
     try:
         manifest = None if _is_url(where) else read_manifest(Path(where).expanduser())
         return load_run(querier.source, label=label, where=where, manifest=manifest)
+    except StoreError as exc:  # ClickHouse unreachable, a query that failed
+        raise UnavailableError(f"cannot read run {label}: {' '.join(str(exc).split())[:300]}") from None
     finally:
         querier.close()
 
@@ -71,6 +82,14 @@ def run_compare(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if not args.regression >= 1.0 or args.min_delta < 0:
         print("otelkv compare: --regression must be at least 1 and --min-delta not negative", file=sys.stderr)
         return EXIT_ERROR
+    if args.trace_url is not None and "{trace_id}" not in args.trace_url:
+        print("otelkv compare: --trace-url must contain {trace_id}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.html:  # before reading two stores: a report that cannot be written is a usage error
+        html = Path(args.html).expanduser()
+        if html.is_dir() or not html.parent.is_dir():
+            print(f"otelkv compare: --html {args.html}: not a file in an existing directory", file=sys.stderr)
+            return EXIT_ERROR
     try:
         runs = []
         for label, where in (("A", args.a), ("B", args.b)):
@@ -78,7 +97,7 @@ def run_compare(args: argparse.Namespace, out: TextIO | None = None) -> int:
             runs.append(load(where, label))
     except QueryError as exc:
         print(f"otelkv compare: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return exc.exit_code
     data = compare_runs(*runs, CompareOptions(factor=args.regression, min_delta_s=args.min_delta))
     if args.json:
         json.dump(data, out, indent=2)
@@ -90,9 +109,9 @@ def run_compare(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
         path = Path(args.html).expanduser()
         try:
-            path.write_text(page(data), encoding="utf-8")
+            path.write_text(page(data, trace_url=args.trace_url), encoding="utf-8")
         except OSError as exc:
-            print(f"otelkv compare: cannot write {path}: {exc}", file=sys.stderr)
-            return EXIT_ERROR
+            print(f"otelkv compare: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
         print(f"HTML report: {path}", file=sys.stderr if args.json else out)
     return EXIT_OK

@@ -2,7 +2,10 @@
 
 The work is in :mod:`otelkv.dashboards`; this module parses arguments, reads the
 environment (``GRAFANA_URL``, ``GRAFANA_TOKEN``, ``GRAFANA_USER``, ``GRAFANA_PASSWORD``,
-``CLICKHOUSE_PASSWORD``) and turns failures into one line on stderr and exit code 2.
+``CLICKHOUSE_PASSWORD``) and turns failures into one line on stderr and the exit codes of
+:mod:`otelkv.cli.errors`: 2 for bad arguments or rejected credentials, 4 for a Grafana that
+cannot be reached or fails, a missing extra or a file that cannot be written, 1 for stale files
+under ``build --check``.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-EXIT_OK = 0
-EXIT_STALE = 1
-EXIT_ERROR = 2
+from otelkv.cli.errors import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+
+EXIT_STALE = EXIT_FAILED
+EXIT_ERROR = EXIT_USAGE
 
 MISSING_EXTRA = "otelkv dashboards needs the dashboards extra: pip install 'otelkv[dashboards]' ({error})"
 
@@ -90,9 +94,9 @@ def add_dashboards_command(subparsers: Any) -> None:
     push.set_defaults(handler=run_push)
 
 
-def _error(message: str, err: TextIO) -> int:
+def _error(message: str, err: TextIO, code: int = EXIT_ERROR) -> int:
     print(f"otelkv dashboards: {message}", file=err)
-    return EXIT_ERROR
+    return code
 
 
 def run_build(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -100,9 +104,21 @@ def run_build(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
     try:
         from otelkv.dashboards import build
     except ImportError as exc:
-        return _error(MISSING_EXTRA.format(error=exc), err)
+        return _error(MISSING_EXTRA.format(error=exc), err, EXIT_UNAVAILABLE)
     out_dir = Path(args.out) if args.out else build.DEFAULT_OUT
-    if args.check:
+    if out_dir.exists() and not out_dir.is_dir():
+        return _error(f"--out {out_dir} is a file: give a directory", err)
+    try:
+        return _build(build, out_dir, args.check, out, err)
+    except OSError as exc:
+        where = exc.filename or out_dir
+        verb = "read" if args.check else "write"
+        return _error(f"cannot {verb} {where}: {exc.strerror or exc}", err, EXIT_UNAVAILABLE)
+
+
+def _build(build: Any, out_dir: Path, check: bool, out: TextIO, err: TextIO) -> int:
+    """Write the files into ``out_dir`` (0), or with ``check`` compare them (1 when stale)."""
+    if check:
         stale = build.stale(out_dir)
         if stale:
             print(
@@ -136,7 +152,18 @@ def _boards(source_dir: str | None) -> list[dict[str, Any]]:
     files = sorted(Path(source_dir).glob("*.json"))
     if not files:
         raise ValueError(f"no *.json dashboards in {source_dir}")
-    return [json.loads(path.read_text(encoding="utf-8")) for path in files]
+    boards = []
+    for path in files:
+        try:
+            board = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path} is not a dashboard JSON file ({exc})") from None
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if not isinstance(board, dict):
+            raise ValueError(f"{path} is not a dashboard JSON file (not an object)")
+        boards.append(board)
+    return boards
 
 
 def run_push(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -144,7 +171,7 @@ def run_push(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     try:
         from otelkv.dashboards.push import Pusher, PushError
     except ImportError as exc:
-        return _error(MISSING_EXTRA.format(error=exc), err)
+        return _error(MISSING_EXTRA.format(error=exc), err, EXIT_UNAVAILABLE)
     if not args.url:
         return _error("no Grafana URL: pass --url or set GRAFANA_URL", err)
     try:
@@ -160,8 +187,14 @@ def run_push(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
             clickhouse_password=args.clickhouse_password,
             overwrite=args.overwrite,
         )
-    except (PushError, ValueError, OSError) as exc:
+    except PushError as exc:
+        return _error(str(exc), err, EXIT_UNAVAILABLE if exc.unreachable else EXIT_ERROR)
+    except ValueError as exc:
         return _error(str(exc), err)
+    except OSError as exc:
+        return _error(
+            f"{exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''}", err, EXIT_UNAVAILABLE
+        )
     if args.json:
         print(json.dumps(report.__dict__, indent=2, sort_keys=True), file=out)
     else:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from otelkv.cli.errors import EXIT_UNAVAILABLE
 from otelkv.cli.query_cmds import EXIT_ERROR
 from otelkv.cli.source import QueryError, parse_duration
 
@@ -29,6 +30,7 @@ def add_fleet_command(subparsers: Any) -> None:
     fleet.add_argument("--plain", action="store_true", help="vLLM's NixlConnector without otelkv")
     fleet.add_argument("--workdir", help="where logs go (default: a new temp dir)")
     fleet.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+    fleet.set_defaults(handler=run_fleet)
     sub = fleet.add_subparsers(dest="fleet_command", metavar="SUBCOMMAND")
     record = sub.add_parser(
         "record",
@@ -73,10 +75,13 @@ def run_record(args: argparse.Namespace) -> int:
         from otelkv.fleet.scenarios import parse_names
     except ImportError as exc:
         print(f"otelkv fleet record: {exc}; pip install 'otelkv[fleet,cpu]'", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_UNAVAILABLE
     try:
-        if args.scale <= 0:
+        if not args.scale > 0:
             raise QueryError("--scale must be above 0")
+        if args.threshold < 0:
+            raise QueryError("--threshold must not be negative")
+        check_workdir(args.workdir)
         options = RecordOptions(
             scenarios=tuple(parse_names(args.scenario)),
             store=Path(args.store).expanduser(),
@@ -93,7 +98,7 @@ def run_record(args: argparse.Namespace) -> int:
         check_store_dir(options.store)
     except (QueryError, ValueError) as exc:
         print(f"otelkv fleet record: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return exc.exit_code if isinstance(exc, QueryError) else EXIT_ERROR
     return record_exit_code(record(options))
 
 
@@ -103,9 +108,22 @@ def record_exit_code(manifest: dict[str, Any]) -> int:
     return 0 if manifest["turns"]["ok"] else 1
 
 
+def check_workdir(workdir: str | None) -> None:
+    """A ``--workdir`` that is a file cannot hold logs: refuse it before any engine starts."""
+    if (
+        workdir is not None
+        and Path(workdir).expanduser().exists()
+        and not Path(workdir).expanduser().is_dir()
+    ):
+        raise QueryError(f"--workdir {workdir} is a file: give a directory (it is created if missing)")
+
+
 def run_fleet(args: argparse.Namespace) -> int:
     if getattr(args, "fleet_command", None) == "record":
         return run_record(args)
+    if not args.ttl > 0 or args.threshold < 0 or not 0 <= args.port <= 65535:
+        raise QueryError("--ttl must be above 0, --threshold not negative, --port in 0-65535")
+    check_workdir(args.workdir)
     from otelkv.fleet.fleet import Fleet, FleetConfig
 
     config = FleetConfig(

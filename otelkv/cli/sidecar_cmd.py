@@ -1,14 +1,23 @@
-"""``otelkv sidecar --upstream URL``: run the sidecar in front of an existing router."""
+"""``otelkv sidecar --upstream URL``: run the sidecar in front of an existing router.
+
+Every argument is checked before anything is created or started (no store directory, no
+process, no listener for a command that is refused): bad values exit 2; a store that is
+locked, a port that is taken or a proxy process that fails exits 4 (docs/cli.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from otelkv.cli.errors import EXIT_OK, EXIT_UNAVAILABLE, UnavailableError
+from otelkv.cli.source import QueryError, check_url
 from otelkv.sidecar.identity import MAX_ID_CHARS
 
 PROXY_CHECK_S = 0.2
@@ -84,30 +93,78 @@ def add_sidecar_command(sub: argparse._SubParsersAction) -> None:  # type: ignor
         action="store_true",
         help="keep every client conversation id as a hash of it, never in clear (docs/security.md)",
     )
+    p.set_defaults(handler=run_sidecar)
 
 
 def _host_port(value: str, flag: str) -> tuple[str, int]:
+    """(host, port) of ``HOST:PORT`` (an empty host is 127.0.0.1; port 0 picks a free one)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise SystemExit(f"otelkv sidecar: {flag} wants HOST:PORT, got {value!r}")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise QueryError(f"{flag} wants HOST:PORT (port 0-65535), got {value!r}")
     return host or "127.0.0.1", int(port)
 
 
+def _check_store_dir(path: Path) -> None:
+    """A directory the sidecar can create or open, checked without creating anything."""
+    if path.exists():
+        if not path.is_dir():
+            raise QueryError(f"--store {path} is a file: give a directory (it is created if missing)")
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            raise UnavailableError(f"--store {path}: no permission to read and write it")
+        return
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise QueryError(f"--store {path}: {parent} is a file, so the directory cannot be created")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UnavailableError(f"--store {path}: no permission to create it in {parent}")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every argument, before anything is created or started (:class:`QueryError`, exit 2)."""
+    from otelkv.sidecar.relay import check_upstream
+
+    try:
+        check_upstream(args.upstream)
+    except ValueError as exc:
+        raise QueryError(f"--{exc}") from None  # "--upstream must be an http(s)://... URL, got ..."
+    if args.clickhouse is not None:
+        check_url(args.clickhouse, "--clickhouse")
+    for url in args.engine:
+        check_url(url, "--engine")
+    if args.retention_days < 1:
+        raise QueryError(f"--retention-days must be at least 1, got {args.retention_days}")
+    if args.conversation_id_max_chars < 1:
+        raise QueryError(
+            f"--conversation-id-max-chars must be at least 1, got {args.conversation_id_max_chars}"
+        )
+    ttl = args.router_handle_ttl
+    if ttl is not None and (not math.isfinite(ttl) or ttl < 0):
+        raise QueryError("--router-handle-ttl must be a number of seconds >= 0")
+
+
 def run_sidecar(args: argparse.Namespace) -> int:
+    """Check every argument, start the sidecar, serve until SIGINT/SIGTERM (0) or until the
+    proxy process dies (4, so that a supervisor restarts it)."""
     from otelkv.sidecar.app import Sidecar, SidecarConfig, default_store_path
     from otelkv.sidecar.proxy_process import ProxyStartError
     from otelkv.store.base import StoreError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_args(args)
     host, port = _host_port(args.listen, "--listen")
     admin_host, admin_port = _host_port(args.admin_listen, "--admin-listen")
+    store_path = Path(args.store).expanduser() if args.store else default_store_path()
+    if not args.no_store and not args.clickhouse:
+        _check_store_dir(store_path)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = SidecarConfig(
         upstream=args.upstream,
         host=host,
         port=port,
         admin_host=admin_host,
         admin_port=admin_port,
-        store_path=Path(args.store) if args.store else default_store_path(),
+        store_path=store_path,
         clickhouse_url=args.clickhouse,
         store=not args.no_store,
         retention_days=args.retention_days,
@@ -121,15 +178,16 @@ def run_sidecar(args: argparse.Namespace) -> int:
     )
     try:
         sidecar = Sidecar(config).start()
-    except StoreError as exc:
-        print(f"otelkv sidecar: {exc}", file=sys.stderr)
-        return 2
-    except ProxyStartError as exc:  # the message names the port or the bad upstream URL
-        print(exc, file=sys.stderr)
-        return 2
+    except StoreError as exc:  # locked by another process, unreadable, chDB missing
+        raise UnavailableError(" ".join(str(exc).split())) from None
+    except ProxyStartError as exc:  # the message names the port that is taken
+        raise UnavailableError(str(exc).removeprefix("otelkv sidecar: ")) from None
     except OSError as exc:
-        print(f"otelkv sidecar: cannot listen: {exc}", file=sys.stderr)
-        return 2
+        if exc.filename:  # the store directory (its permissions were checked, but may change)
+            raise UnavailableError(f"cannot open {exc.filename}: {exc.strerror or exc}") from None
+        raise UnavailableError(
+            f"cannot listen on the admin address {args.admin_listen}: {exc.strerror or exc}"
+        ) from None
     print(f"otelkv sidecar: send agent traffic to {sidecar.url} (forwarded to {config.upstream})")
     print(f"  engines and agents export spans to {sidecar.otlp_endpoint}")
     print(f"  metrics: {sidecar.admin_url}/metrics   query API: {sidecar.admin_url}/api/v1/")
@@ -137,7 +195,7 @@ def run_sidecar(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    code = 0
+    code = EXIT_OK
     try:
         # Without the proxy process no request gets through: a sidecar that went on serving
         # health checks would hide that from its supervisor. Stop (the store is flushed and
@@ -150,7 +208,7 @@ def run_sidecar(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-                code = 1
+                code = EXIT_UNAVAILABLE
                 break
     finally:
         sidecar.stop()

@@ -36,7 +36,17 @@ MESSAGE = "otelkv dashboards push"
 
 
 class PushError(Exception):
-    """A push failed; ``str()`` is one line saying what happened and what to do."""
+    """A push failed; ``str()`` is one line saying what happened and what to do.
+
+    ``unreachable`` is True when the failure is on Grafana's side (not reachable, too slow,
+    a 5xx, a conflict with what is stored there) rather than in the arguments (a malformed
+    URL, rejected credentials, not Grafana's root URL): the CLI exits 4 for the one, 2 for
+    the other.
+    """
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 @dataclass
@@ -100,11 +110,12 @@ class Pusher:
     def _fail(self, exc: BaseException, doing: str) -> PushError:
         """One line for an exception raised while ``doing`` something."""
         if isinstance(exc, GrafanaTimeoutError) or isinstance(exc, niquests.exceptions.Timeout):
-            return PushError(f"Grafana at {self.url} did not answer in time while {doing}")
+            return PushError(f"Grafana at {self.url} did not answer in time while {doing}", unreachable=True)
         if isinstance(exc, niquests.exceptions.ConnectionError):
             reason = "connection refused" if "refused" in str(exc).lower() else str(exc).splitlines()[0]
             return PushError(
-                f"cannot reach Grafana at {self.url} ({reason}): is the URL right and Grafana up?"
+                f"cannot reach Grafana at {self.url} ({reason}): is the URL right and Grafana up?",
+                unreachable=True,
             )
         if isinstance(exc, GrafanaException):
             code = exc.status_code
@@ -125,26 +136,31 @@ class Pusher:
                     f"not found (404) while {doing}: is {self.url} Grafana's root URL? ({detail})"
                 )
             if code == 409:
-                return PushError(f"conflict (409) while {doing}: {detail}")
+                return PushError(f"conflict (409) while {doing}: {detail}", unreachable=True)
             if code == 412:
                 status = body.get("status", "")
                 if status == "version-mismatch":
                     return PushError(
                         f"version conflict (412) while {doing}: someone saved it since this push read "
-                        "it; push again, or pass --overwrite to replace their change"
+                        "it; push again, or pass --overwrite to replace their change",
+                        unreachable=True,
                     )
                 if status == "name-exists":
                     return PushError(
                         f"name conflict (412) while {doing}: another dashboard in the folder has this "
-                        "title; rename or move it"
+                        "title; rename or move it",
+                        unreachable=True,
                     )
                 return PushError(
-                    f"precondition failed (412, {status or 'no status'}) while {doing}: {detail}"
+                    f"precondition failed (412, {status or 'no status'}) while {doing}: {detail}",
+                    unreachable=True,
                 )
             if code is not None and int(code) >= 500:
-                return PushError(f"Grafana at {self.url} failed ({code}) while {doing}: {detail}")
+                return PushError(
+                    f"Grafana at {self.url} failed ({code}) while {doing}: {detail}", unreachable=True
+                )
             return PushError(f"Grafana answered {code} while {doing}: {detail}")
-        return PushError(f"{type(exc).__name__} while {doing}: {exc}")
+        return PushError(f"{type(exc).__name__} while {doing}: {exc}", unreachable=True)
 
     def _call(self, doing: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:

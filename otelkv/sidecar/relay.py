@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httptools
 
@@ -118,6 +118,18 @@ class ExchangeObserver(Protocol):
     def begin(self, request: Request) -> tuple[Exchange | None, list[tuple[bytes, bytes | None]], bytes]:
         """(exchange or None, headers to set upstream (None: remove), body to send)."""
         ...
+
+
+REFUSED = "requests_refused"
+"""The proxy's counter of refused requests; its key is ``requests_refused:<reason>``."""
+_REFUSED_REASONS = {
+    400: names.REFUSED_MALFORMED,
+    413: names.REFUSED_TOO_LARGE,
+    431: names.REFUSED_HEADERS_TOO_LARGE,
+    501: names.REFUSED_UPGRADE,
+    505: names.REFUSED_HTTP_VERSION,
+}
+"""The status of each refusal the proxy answers itself, and its ``reason`` label."""
 
 
 def _error_response(status: int, reason: str, message: str, *, close: bool) -> bytes:
@@ -591,7 +603,7 @@ class _Client(asyncio.Protocol):
     def _refuse(self, status: int, reason: str, message: str) -> None:
         if self.closing or self._refusal is not None:
             return
-        self.relay.count("requests_refused")
+        self.relay.count(f"{REFUSED}:{_REFUSED_REASONS.get(status, names.REFUSED_MALFORMED)}")
         response = _error_response(status, reason, message, close=True)
         if self.current is None:
             self.write(response)
@@ -610,6 +622,21 @@ class _Client(asyncio.Protocol):
             self.transport.close()
 
 
+def check_upstream(upstream: str) -> SplitResult:
+    """``upstream`` split, when it is an ``http(s)://host[:port]`` URL without a path; else a
+    ``ValueError`` whose message says what is wrong (the CLI checks it before starting anything)."""
+    try:
+        parts = urlsplit(upstream)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        raise ValueError(f"upstream must be an http(s)://host[:port] URL, got {upstream!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"upstream must be an http(s)://host[:port] URL, got {upstream!r}")
+    if parts.path not in ("", "/"):
+        raise ValueError(f"upstream URL must not have a path, got {upstream!r}")
+    return parts
+
+
 class Relay:
     """The proxy server: ``await start(host, port)``, then ``close()``."""
 
@@ -622,11 +649,7 @@ class Relay:
         counters: dict[str, int] | None = None,
         on_count: Callable[[], None] | None = None,
     ) -> None:
-        parts = urlsplit(upstream)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"upstream must be an http(s)://host[:port] URL, got {upstream!r}")
-        if parts.path not in ("", "/"):
-            raise ValueError(f"upstream URL must not have a path, got {upstream!r}")
+        parts = check_upstream(upstream)
         self.upstream_url = upstream.rstrip("/")
         self.host = parts.hostname
         tls = parts.scheme == "https"

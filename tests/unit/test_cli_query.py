@@ -60,6 +60,9 @@ class FakeSidecar(BaseHTTPRequestHandler):
         except report.NotFound as exc:
             self._send(404, {"error": str(exc)})
             return
+        except report.BadRef as exc:
+            self._send(400, {"error": str(exc)})
+            return
         self._send(200, body)
 
     def _send(self, code: int, body: Any) -> None:
@@ -125,7 +128,7 @@ def test_slow_json_via_sidecar(sidecar: str, capsys: pytest.CaptureFixture[str])
 
 def test_conversation_and_why_via_sidecar_quote_ids(sidecar: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["conversation", "--sidecar", sidecar, "conv-lapse"], capsys)
-    assert code == 0 and "legend:" in out and "|" in out and "ttl_lapsed_during_gap" in out
+    assert code == 0 and "PHASES:" in out and "|" in out and "ttl_lapsed_during_gap" in out
     code, out, _ = run(["why", "--sidecar", sidecar, "conv-lapse#1"], capsys)
     assert code == 0 and "[ttl_lapsed_during_gap]" in out and "fix:" in out and "evidence:" in out
     assert FakeSidecar.seen[-1][0] == "/api/v1/why/conv-lapse%231"
@@ -133,16 +136,16 @@ def test_conversation_and_why_via_sidecar_quote_ids(sidecar: str, capsys: pytest
 
 def test_not_found_via_sidecar(sidecar: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["why", "--sidecar", sidecar, "nope#3"], capsys)
-    assert code == 2 and out == ""
+    assert code == 3 and out == ""  # not found
     assert err.strip() == "otelkv why: no turn 3 in conversation 'nope' (turn indexes are 0-based)"
     code, _, err = run(["conversation", "--sidecar", sidecar, "a/b c"], capsys)
-    assert code == 2 and "no turns for conversation 'a/b c'" in err and "Traceback" not in err
+    assert code == 3 and "no turns for conversation 'a/b c'" in err and "Traceback" not in err
 
 
 def test_sidecar_unreachable(capsys: pytest.CaptureFixture[str]) -> None:
     url = free_url()
     code, _, err = run(["slow", "--sidecar", url], capsys)
-    assert code == 2 and err.startswith(f"otelkv slow: sidecar at {url} is unreachable")
+    assert code == 4 and err.startswith(f"otelkv slow: sidecar at {url} is unreachable")
     assert len(err.strip().splitlines()) == 1
 
 
@@ -190,8 +193,9 @@ def test_store_locked_by_sidecar(
         raise StoreLockedError("directory is locked by another process")
 
     monkeypatch.setitem(sys.modules, "otelkv.store", types.SimpleNamespace(open_store=open_store))
+    (tmp_path / "metadata").mkdir()  # what chDB leaves in a store directory
     code, _, err = run(["why", "--store", str(tmp_path), "c#1"], capsys)
-    assert code == 2
+    assert code == 4  # locked: unavailable
     assert err.strip() == (
         f"otelkv why: store {tmp_path} is locked by a running sidecar; ask it instead: "
         "--sidecar URL (or set OTELKV_SIDECAR)"
@@ -200,7 +204,7 @@ def test_store_locked_by_sidecar(
 
 def test_store_missing_dir(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(["slow", "--store", str(tmp_path / "none")], capsys)
-    assert code == 2 and "no store at" in err
+    assert code == 3 and "no store at" in err
 
 
 def test_store_opened_directly(
@@ -208,8 +212,11 @@ def test_store_opened_directly(
 ) -> None:
     closed: list[bool] = []
     store = types.SimpleNamespace(close=lambda: closed.append(True))
-    monkeypatch.setitem(sys.modules, "otelkv.store", types.SimpleNamespace(open_store=lambda **kw: store))
+    import otelkv.store
+
+    monkeypatch.setattr(otelkv.store, "open_store", lambda **kw: store)
     monkeypatch.setattr(source, "LocalQuerier", lambda _src, closer=None: _Mem(closer))
+    (tmp_path / "metadata").mkdir()  # what chDB leaves in a store directory
     code, out, _ = run(["conversation", "--store", str(tmp_path), "conv-quick", "--json"], capsys)
     assert code == 0 and json.loads(out)["turn_count"] == 2 and closed == [True]
 
@@ -254,3 +261,12 @@ def test_empty_slow_message() -> None:
     out = io.StringIO()
     query_cmds.show_slow({"turns": []}, out)
     assert "no turns in this window" in out.getvalue()
+
+
+def test_wide_prints_whole_trace_ids(sidecar: str, capsys: pytest.CaptureFixture[str]) -> None:
+    whole = report.why(MEM, "conv-lapse#1")["turn"]["trace_id"]
+    code, out, _ = run(["slow", "--sidecar", sidecar, "--limit", "1"], capsys)
+    assert code == 0 and whole[:8] in out and whole not in out
+    for argv in (["slow", "--limit", "1"], ["conversation", "conv-lapse"]):
+        code, out, _ = run([*argv, "--sidecar", sidecar, "--wide"], capsys)
+        assert code == 0 and whole in out

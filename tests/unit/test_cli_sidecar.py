@@ -80,7 +80,7 @@ def test_sidecar_command_refuses_a_store_another_process_holds(tmp_path: Path) -
             text=True,
             timeout=60,
         )
-        assert out.returncode == 2
+        assert out.returncode == 4  # the store is locked: unavailable
         assert "open in another process" in out.stderr
     finally:
         holder.communicate("", timeout=30)

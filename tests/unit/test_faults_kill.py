@@ -54,7 +54,7 @@ def test_proxy_killed_mid_stream_then_the_sidecar_restarts(fake_upstream: str, t
         assert streamed and not streamed[0].ok  # cut: its relay is gone
         # The main process does not pretend to serve: it stops cleanly and says so.
         sc.proc.wait(EXIT_S)
-        assert sc.proc.returncode == 1
+        assert sc.proc.returncode == 4  # a started process failed
     finally:
         sc.stop()
     restarted = h.start_cli(fake_upstream, store)
