@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otelkv import names
-from otelkv.analysis import turn_json
+from otelkv.analysis import scope, turn_json
 from otelkv.analysis.diagnose import READ_EXPIRY_MARGIN_S, in_read_margin
 from otelkv.analysis.engine_probe import EngineProbe
 from otelkv.analysis.linker import window_turns
@@ -607,6 +607,7 @@ def doctor(
     spans = source.engine_requests(
         since_ns=first, until_ns=until_ns if until_ns is not None else 2**62, limit=ENGINE_SPAN_LIMIT
     )
+    spans = scope.counted_spans(spans)  # the warm-up's engine requests, like its turns, do not count
     ev = Evidence(turns, engines_of(spans), spans, list(probes), router_handle_ttl_s)
     checks = run_checks(ev)
     return turn_json.document(

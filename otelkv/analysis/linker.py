@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from otelkv import names
-from otelkv.analysis import inferred_join
+from otelkv.analysis import inferred_join, scope
 from otelkv.analysis.model import EngineJoin, Turn, build_turn
 from otelkv.analysis.sources import SpanSource, group_by_trace
 from otelkv.spans import SpanRecord, attr_float, attr_str, is_engine_request, is_turn_span, opt_int, opt_str
@@ -95,12 +95,14 @@ def window_turns(
 ) -> tuple[list[Turn], int]:
     """Every turn of the window, oldest first, each linked to its previous turn; and how many there were.
 
-    With more than ``max_turns`` turns only the most recent ``max_turns`` are modelled (the
-    count says how many were left out). Traces are fetched a chunk at a time; a chunk's first
-    turns still link to predecessors in the chunk before (their traces are fetched again).
+    Turns of conversations :func:`otelkv.analysis.scope.counted` leaves out (the reference
+    fleet's warm-up) are neither modelled nor counted. With more than ``max_turns`` turns only
+    the most recent ``max_turns`` are modelled (the count says how many were left out). Traces
+    are fetched a chunk at a time; a chunk's first turns still link to predecessors in the
+    chunk before (their traces are fetched again).
     """
     spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=None, slowest_first=False)
-    spans = sorted(one_per_trace(spans), key=lambda s: s.start_ns)
+    spans = sorted(scope.counted_spans(one_per_trace(spans)), key=lambda s: s.start_ns)
     total = len(spans)
     if max_turns is not None and total > max_turns:
         spans = spans[total - max_turns :]

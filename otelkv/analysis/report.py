@@ -12,20 +12,33 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from otelkv.analysis import turn_json
+from otelkv.analysis import scope, turn_json
 from otelkv.analysis.diagnose import Context, diagnose
 from otelkv.analysis.linker import load_trace, load_turns
 from otelkv.analysis.model import Turn, per_token_compute_s
 from otelkv.analysis.sources import SpanSource
+from otelkv.spans import SpanRecord
 
 CONVERSATION_LIMIT = 1000
 """Most turns ``conversation`` shows (the last ones are kept when a conversation is longer)."""
 
-_TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+_HEX = re.compile(r"^[0-9a-fA-F]+$")
+TRACE_ID_DIGITS = 32
+SHORT_ID_DIGITS = 8
+"""How many leading hex digits of a trace id the tables print (``otelkv slow``); any unique
+prefix of at least :data:`MIN_PREFIX_DIGITS` digits finds the turn again."""
+MIN_PREFIX_DIGITS = 4
+PREFIX_MATCH_LIMIT = 100
+"""Most matches of an ambiguous prefix counted one by one (more are "over 100")."""
 
 
 class NotFound(LookupError):  # noqa: N818 - the name the API promises
     """The turn, trace or conversation asked for is not in the store (message says what to try)."""
+
+
+class BadRef(ValueError):  # noqa: N818 - pairs with NotFound
+    """The reference is not one ``why`` reads, or a trace id prefix matches several turns: the
+    caller's input (CLI exit 2, API 400); the message says what to give instead."""
 
 
 def diagnosis_context(turns: Iterable[Turn]) -> Context:
@@ -45,9 +58,9 @@ def diagnosis_context(turns: Iterable[Turn]) -> Context:
 def slow(
     source: SpanSource, *, since_ns: int | None = None, until_ns: int | None = None, limit: int = 10
 ) -> dict[str, Any]:
-    """The slowest turns of the window, each with its phase split and diagnoses."""
-    spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=limit, slowest_first=True)
-    turns = load_turns(source, spans)
+    """The slowest counted turns of the window (:func:`otelkv.analysis.scope.counted`), each
+    with its phase split and diagnoses."""
+    turns = load_turns(source, _slowest_counted(source, since_ns, until_ns, limit))
     ctx = diagnosis_context(turns)
     turns.sort(key=lambda t: (-t.total_s, t.start_ns))
     return turn_json.document(
@@ -57,6 +70,20 @@ def slow(
         per_token_compute_s=ctx.per_token_s,
         turns=[turn_json.turn_object(t, diagnose(t, ctx)) for t in turns[:limit]],
     )
+
+
+def _slowest_counted(
+    source: SpanSource, since_ns: int | None, until_ns: int | None, limit: int
+) -> list[SpanRecord]:
+    """The ``limit`` slowest turn spans of counted conversations: asks again for as many more
+    as were left out, so left-out turns never shorten the list (there are few of them)."""
+    ask = limit
+    while True:
+        spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=ask, slowest_first=True)
+        kept = scope.counted_spans(spans)
+        if len(kept) >= limit or len(spans) < ask:
+            return kept[:limit]
+        ask += len(spans) - len(kept)
 
 
 def conversation(
@@ -88,31 +115,59 @@ def conversation(
     )
 
 
-def parse_ref(ref: str) -> tuple[str, str | None, int | None]:
-    """``("trace", trace_id, None)`` or ``("turn", conversation_id, index)``; NotFound if neither."""
+def parse_ref(ref: str) -> tuple[str, str, int | None]:
+    """``("trace", trace_id, None)``, ``("prefix", leading_digits, None)`` (a short trace id
+    as the tables print it) or ``("turn", conversation_id, index)``; :class:`BadRef` if none."""
     ref = ref.strip()
-    if _TRACE_ID.match(ref):
+    if _HEX.match(ref) and len(ref) == TRACE_ID_DIGITS:
         return "trace", ref.lower(), None
+    if _HEX.match(ref) and MIN_PREFIX_DIGITS <= len(ref) < TRACE_ID_DIGITS:
+        return "prefix", ref.lower(), None
     if "#" in ref:
         conv, _, index = ref.rpartition("#")
         if conv and index.isdigit():
             return "turn", conv, int(index)
-    raise NotFound(
-        f"{ref!r} is neither a trace id (32 hex digits) nor CONVERSATION#INDEX (e.g. conv-42#3, 0-based)"
+    raise BadRef(
+        f"{ref[:80]!r} is neither a trace id (32 hex digits, or its first {MIN_PREFIX_DIGITS} or more) "
+        "nor CONVERSATION#INDEX (e.g. conv-42#3, 0-based)"
     )
 
 
+def trace_by_prefix(source: SpanSource, prefix: str) -> str:
+    """The one turn's trace id starting with ``prefix``: :class:`NotFound` when none does,
+    :class:`BadRef` (saying how many) when several do."""
+    found = source.traces_with_prefix(prefix, limit=PREFIX_MATCH_LIMIT + 1)
+    if not found:
+        raise NotFound(
+            f"no turn's trace id starts with {prefix} (it may have aged out or not arrived yet; "
+            "`otelkv slow` lists recent turns)"
+        )
+    if len(found) > 1:
+        many = f"over {PREFIX_MATCH_LIMIT}" if len(found) > PREFIX_MATCH_LIMIT else str(len(found))
+        raise BadRef(
+            f"{prefix} is ambiguous: {many} turns have a trace id starting with it; give more digits "
+            "(`--wide` prints whole ids) or CONVERSATION#INDEX"
+        )
+    return found[0]
+
+
 def why(source: SpanSource, ref: str) -> dict[str, Any]:
-    """Everything that went wrong with one turn, ranked by estimated cost, with evidence and fixes."""
+    """Everything that went wrong with one turn, ranked by estimated cost, with evidence and fixes.
+
+    ``ref`` as :func:`parse_ref` reads it: a trace id, a unique prefix of one (the short id
+    the tables print), or CONVERSATION#INDEX.
+    """
     kind, key, index = parse_ref(ref)
     if kind == "turn":
-        assert key is not None and index is not None
+        assert index is not None
         span = source.find_turn(key, index)
         if span is None:
             raise NotFound(f"no turn {index} in conversation {key!r} (turn indexes are 0-based)")
         trace_id = span.trace_id
+    elif kind == "prefix":
+        trace_id = trace_by_prefix(source, key)
     else:
-        trace_id = str(key)
+        trace_id = key
     spans = source.trace_spans([trace_id])
     if not spans:
         raise NotFound(

@@ -1,6 +1,6 @@
 """Where the analysis reads spans from: a store, a ClickHouse cluster, or a list in memory.
 
-Every source answers the same five questions (:class:`SpanSource`), so ``slow``,
+Every source answers the same six questions (:class:`SpanSource`), so ``slow``,
 ``conversation``, ``why``, ``tune`` and ``compare`` run unchanged on the sidecar's embedded
 store, a fleet's ClickHouse and the spans of a unit test.
 """
@@ -56,6 +56,11 @@ class SpanSource(Protocol):
     ) -> list[SpanRecord]: ...
 
     def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None: ...
+
+    def traces_with_prefix(self, prefix: str, *, limit: int = 100) -> list[str]:
+        """Trace ids starting with ``prefix`` (lower-case hex) whose trace holds a turn span
+        or an engine request, sorted, at most ``limit`` (a short id's lookup)."""
+        ...
 
     def engine_requests(
         self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
@@ -134,6 +139,14 @@ class InMemorySource:
         ]
         return min(found, key=turn_rank) if found else None
 
+    def traces_with_prefix(self, prefix: str, *, limit: int = 100) -> list[str]:
+        found = {
+            s.trace_id
+            for s in self.spans
+            if s.trace_id.startswith(prefix) and (is_turn_span(s) or is_engine_request(s))
+        }
+        return sorted(found)[:limit]
+
     def engine_requests(
         self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
     ) -> list[SpanRecord]:
@@ -207,6 +220,9 @@ class StoreSource:
 
     def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None:
         return self._q().find_turn(self.store, conversation_id, index)  # type: ignore[no-any-return]
+
+    def traces_with_prefix(self, prefix: str, *, limit: int = 100) -> list[str]:
+        return list(self._q().traces_with_prefix(self.store, prefix, limit=limit))
 
     def engine_requests(
         self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None

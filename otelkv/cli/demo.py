@@ -62,11 +62,17 @@ def demo_conversations(long_pause_s: float) -> list[Any]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from otelkv.cli.fleet_cmd import check_workdir
+    from otelkv.cli.source import QueryError
+
+    if not args.ttl > 0 or not args.long_pause >= 0:  # before a minute of engine start-up
+        raise QueryError("--ttl must be above 0 and --long-pause not negative (seconds)")
+    check_workdir(args.workdir)
     from otelkv.analysis import report
     from otelkv.analysis.sources import StoreSource
-    from otelkv.cli.query_cmds import show_conversation, show_slow
+    from otelkv.cli.views import show_conversation, show_slow
     from otelkv.fleet import metrics as prom
-    from otelkv.fleet.fleet import WARMUP_CONVERSATION, Fleet, FleetConfig
+    from otelkv.fleet.fleet import Fleet, FleetConfig
 
     ttl = float(args.ttl)
     workdir = Path(args.workdir) if args.workdir else None
@@ -114,8 +120,7 @@ def run_demo(args: argparse.Namespace) -> int:
             for span in spans:
                 fh.write(json.dumps(dataclasses.asdict(span), default=str) + "\n")
         source = StoreSource(fleet.sidecar.store)
-        slow = report.slow(source, limit=8)
-        slow["turns"] = [t for t in slow["turns"] if t.get("conversation_id") != WARMUP_CONVERSATION]
+        slow = report.slow(source, limit=8)  # the fleet's warm-up turns do not count (analysis.scope)
         waterfall = report.conversation(source, "research-agent")
         why = report.why(source, "research-agent#1")
         if args.json:

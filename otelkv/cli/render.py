@@ -1,26 +1,113 @@
-"""Plain-text tables for the terminal (no dependency beyond the standard library)."""
+"""Plain-text tables and text for the terminal (no dependency beyond the standard library)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+DEFAULT_WIDTH = 100
+"""Columns assumed when the output is not a terminal (a pipe, a file, a test)."""
+ELLIPSIS = ".."
+"""Marks where a clipped cell lost characters (ASCII: any terminal encoding shows it)."""
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
-    """Render rows under headers, columns padded; ``right`` lists right-aligned columns."""
+Clip = Callable[[str, int], str]
+
+
+def terminal_width() -> int:
+    """The terminal's columns (``$COLUMNS`` first); :data:`DEFAULT_WIDTH` when there is none."""
+    return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns or DEFAULT_WIDTH
+
+
+def clip_end(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, the end replaced by :data:`ELLIPSIS`."""
+    if len(text) <= width:
+        return text
+    return text[: max(width - len(ELLIPSIS), 0)] + ELLIPSIS if width > len(ELLIPSIS) else text[:width]
+
+
+def clip_middle(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters from its middle: both ends stay recognisable."""
+    if len(text) <= width:
+        return text
+    if width <= len(ELLIPSIS) + 1:
+        return text[:width]
+    keep = width - len(ELLIPSIS)
+    head = (keep + 1) // 2
+    return text[:head] + ELLIPSIS + text[len(text) - (keep - head) :]
+
+
+def clip_ref(text: str, width: int) -> str:
+    """A ``CONVERSATION#INDEX`` cut in the conversation id's middle; ``#INDEX`` stays whole."""
+    conv, sep, index = text.rpartition("#")
+    if not sep or len(index) + 1 >= width:
+        return clip_middle(text, width)
+    return clip_middle(conv, width - len(index) - 1) + sep + index
+
+
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    right: Sequence[int] = (),
+    tight: Sequence[int] = (),
+    width: int | None = None,
+    shrink: Mapping[int, tuple[int, Clip]] | None = None,
+) -> str:
+    """Render rows under headers, columns padded and separated by two spaces.
+
+    ``right``: right-aligned columns. ``tight``: columns set one space after the column
+    before (a group of numbers). A header with ``\\n`` takes several lines. With ``width``,
+    the columns of ``shrink`` (column -> (narrowest width, how to clip a cell)) give up
+    characters in the order given, each down to its narrowest before the next, until the
+    table fits; a table that still does not fit (every shrinkable column at its narrowest) is
+    printed as is, wider than ``width``.
+    """
     cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
+    head = [h.split("\n") for h in headers]
+    depth = max((len(h) for h in head), default=1)
+    head = [[""] * (depth - len(h)) + h for h in head]  # bottom-aligned over the values
+    widths = [max(len(x) for x in h) for h in head]
     for row in cells:
         for i, cell in enumerate(row):
             widths[i] = max(widths[i], len(cell))
+    gaps = [0] + [1 if i in tight else 2 for i in range(1, len(widths))]
+    shrink = dict(shrink or {})
+    if width is not None:
+        while sum(widths) + sum(gaps) > width:
+            open_ = [i for i, (least, _) in shrink.items() if widths[i] > least]
+            if not open_:
+                break
+            widths[open_[0]] -= 1
+        for row in cells:
+            for i, (_, clip) in shrink.items():
+                row[i] = clip(row[i], widths[i])
 
     def line(values: Sequence[str]) -> str:
-        parts = [v.rjust(widths[i]) if i in right else v.ljust(widths[i]) for i, v in enumerate(values)]
-        return "  ".join(parts).rstrip()
+        parts = [
+            " " * gaps[i] + (v.rjust(widths[i]) if i in right else v.ljust(widths[i]))
+            for i, v in enumerate(values)
+        ]
+        return "".join(parts).rstrip()
 
-    out = [line(list(headers)), line(["-" * w for w in widths])]
+    out = [line([h[k] for h in head]) for k in range(depth)]
+    out.append(line(["-" * w for w in widths]))
     out.extend(line(row) for row in cells)
     return "\n".join(out)
+
+
+def wrap(text: str, width: int, *, indent: str = "", hang: str | None = None) -> str:
+    """``text`` wrapped to ``width`` columns: the first line after ``indent``, the others after
+    ``hang`` (default: as many spaces as ``indent``). Words (ids, ``key=value``) are never split."""
+    return textwrap.fill(
+        text,
+        width=max(width, len(indent) + 20),
+        initial_indent=indent,
+        subsequent_indent=" " * len(indent) if hang is None else hang,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _fmt(value: Any) -> str:

@@ -175,6 +175,31 @@ LIMIT 1"""
     return spans[0] if spans else None
 
 
+def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> list[str]:
+    """Trace ids starting with ``prefix`` (lower-case hex) whose trace holds a turn span or an
+    engine request (what ``otelkv why`` can explain), sorted, at most ``limit``.
+
+    The lookup table ``otel_traces_trace_id_ts`` is ordered by trace id, so the prefix is a
+    range of its primary key; its time bounds then keep the big table's read to the
+    partitions those traces live in. With no match in the lookup (rows inserted before the
+    view existed) the big table is scanned, as :func:`trace_spans` falls back.
+    """
+    table, lookup = _tables(store)
+    sql = f"""\
+WITH
+    (SELECT minOrNull(Start) FROM {lookup} WHERE startsWith(TraceId, {{prefix:String}})) AS trace_start,
+    (SELECT maxOrNull(End) + 1 FROM {lookup} WHERE startsWith(TraceId, {{prefix:String}})) AS trace_end
+SELECT DISTINCT TraceId
+FROM {table}
+WHERE startsWith(TraceId, {{prefix:String}})
+  AND ({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS})
+  AND (trace_start IS NULL OR (Timestamp >= trace_start AND Timestamp <= trace_end))
+ORDER BY TraceId
+LIMIT {{limit:UInt64}}"""
+    rows = store.query(sql, {"prefix": prefix, "limit": max(0, int(limit))})
+    return [str(row["TraceId"]) for row in rows]
+
+
 def count_spans(store: TraceStore) -> int:
     """Rows in ``otel_traces``."""
     table, _ = _tables(store)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from otelkv import names
-from otelkv.analysis.report import NotFound, conversation, parse_ref, slow, why
+from otelkv.analysis.report import PREFIX_MATCH_LIMIT, BadRef, NotFound, conversation, parse_ref, slow, why
 from otelkv.analysis.sources import InMemorySource, StoreSource
 from otelkv.spans import SpanRecord
 from tests.unit.test_diagnose import T0, S, stored, turn_trace
@@ -189,15 +189,16 @@ def test_why_not_found_and_bad_refs() -> None:
         why(source, "conv-lapse#9")
     with pytest.raises(NotFound, match="no spans for trace"):
         why(source, "0" * 32)
-    for bad in ("hello", "conv#x", "#3", "abc123"):
-        with pytest.raises(NotFound, match="neither a trace id"):
+    for bad in ("hello", "conv#x", "#3", "abc", "a" * 33):
+        with pytest.raises(BadRef, match="neither a trace id"):
             why(source, bad)
 
 
 def test_parse_ref() -> None:
     assert parse_ref("AB" * 16) == ("trace", "ab" * 16, None)
     assert parse_ref("team#a#12") == ("turn", "team#a", 12)
-    with pytest.raises(NotFound):
+    assert parse_ref(" AB12cd ") == ("prefix", "ab12cd", None)
+    with pytest.raises(BadRef):
         parse_ref("conv#-1")
 
 
@@ -250,4 +251,174 @@ def test_store_source_answers_like_memory(tmp_path: Any) -> None:
                 json.dumps(fn(memory), default=str)
             )
     finally:
+        store.close()
+
+
+# ------------------------------------------------------------------ short trace ids
+
+ID0 = "abcd0001" + "1" * 24
+ID1 = "abcd1234" + "2" * 24
+ID2 = "ef012345" + "3" * 24
+TOOL_TRACE = "abcd9999" + "4" * 24
+"""An agent's tool-call trace: shares the prefix ``abcd`` but holds no turn."""
+
+
+def short_id_spans(shift_ns: int = 0) -> list[SpanRecord]:
+    """conv-lapse with trace ids chosen here (two share ``abcd``), plus a tool span whose trace
+    id shares it too, all moved ``shift_ns`` (a store drops spans older than its retention)."""
+    import dataclasses
+
+    spans = lapse_conversation()
+    order = sorted(
+        {s.trace_id for s in spans}, key=lambda t: min(s.start_ns for s in spans if s.trace_id == t)
+    )
+    ids = dict(zip(order, (ID0, ID1, ID2), strict=True))
+    out = [
+        dataclasses.replace(
+            s,
+            trace_id=ids[s.trace_id],
+            start_ns=s.start_ns + shift_ns,
+            end_ns=s.end_ns + shift_ns,
+            attributes={k: ids.get(v, v) if isinstance(v, str) else v for k, v in s.attributes.items()},
+        )
+        for s in spans
+    ]
+    tool = SpanRecord(
+        TOOL_TRACE,
+        "00000000000000fe",
+        "",
+        "execute_tool search",
+        "Internal",
+        T0 + 102 * S + shift_ns,
+        T0 + 103 * S + shift_ns,
+        {names.GEN_AI_OPERATION_NAME: "execute_tool", names.GEN_AI_CONVERSATION_ID: "conv-lapse"},
+        {},
+    )
+    return [*out, tool]
+
+
+def check_short_ids(source: Any) -> None:
+    """The lookup by prefix, against the ids the spans were given (not ones read back)."""
+    assert why(source, "conv-lapse#1")["turn"]["trace_id"] == ID1  # the spans are what we built
+    assert why(source, ID1[:8])["turn"]["trace_id"] == ID1  # as `slow` prints it
+    assert why(source, ID1[:8].upper())["turn"]["turn_index"] == 1
+    assert why(source, "ef01")["turn"]["trace_id"] == ID2  # any unique prefix of 4 or more
+    assert why(source, ID0[:20])["turn"]["turn_index"] == 0
+    with pytest.raises(BadRef, match=r"^abcd is ambiguous: 2 turns have a trace id starting with it"):
+        why(source, "abcd")  # ID0 and ID1; the tool trace is no turn
+    with pytest.raises(NotFound, match=r"^no turn's trace id starts with abcd9999"):
+        why(source, "abcd9999")  # a trace, but no turn in it
+    with pytest.raises(NotFound, match=r"^no turn's trace id starts with ffff0000"):
+        why(source, "ffff0000")
+
+
+def test_short_ids_in_memory() -> None:
+    check_short_ids(InMemorySource(short_id_spans()))
+
+
+def test_short_id_over_the_limit_says_so() -> None:
+    import dataclasses
+
+    base = turn_trace("conv-many", 0)
+    spans = [
+        dataclasses.replace(s, trace_id=f"beef{i:028x}") for i in range(PREFIX_MATCH_LIMIT + 2) for s in base
+    ]
+    with pytest.raises(BadRef, match=rf"^beef is ambiguous: over {PREFIX_MATCH_LIMIT} turns"):
+        why(InMemorySource(spans), "beef")
+
+
+class _ChdbOverHttp:
+    """A ClickHouse HTTP interface in front of a real chDB store: the SQL and the
+    ``param_<name>`` values of :class:`~otelkv.store.clickhouse_http.ClickHouseHttpStore`
+    run on the chDB engine, so the ClickHouse path runs the same SQL for real."""
+
+    def __init__(self, store: Any) -> None:
+        import threading
+        import urllib.parse
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                query = dict(urllib.parse.parse_qsl(url.query))
+                params = {k.removeprefix("param_"): v for k, v in query.items() if k.startswith("param_")}
+                sql = self.rfile.read(int(self.headers.get("Content-Length", 0))).decode()
+                try:
+                    with lock:
+                        result = store._session.query(sql, "JSONEachRow", params=params or None)
+                    body, code = (result.bytes() if result is not None else b""), 200
+                except RuntimeError as exc:
+                    body, code = str(exc).encode(), 500
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same lookup on a real chDB store, through the ClickHouse HTTP store (same SQL on
+    the chDB engine) and through the sidecar's query API, with the CLI's exit codes."""
+    import asyncio
+    import threading
+    import time
+
+    from aiohttp import web
+
+    from otelkv.cli.main import main
+    from otelkv.sidecar.api import QueryApi
+    from otelkv.store.chdb_store import ChdbStore
+    from otelkv.store.clickhouse_http import ClickHouseHttpStore
+
+    store = ChdbStore(tmp_path / "store")
+    http = _ChdbOverHttp(store)
+    loop = asyncio.new_event_loop()
+    runner = None
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    try:
+        spans = short_id_spans(time.time_ns() - T0 - 3600 * S)
+        assert store.insert_spans(spans) == len(spans)
+        check_short_ids(StoreSource(store))
+        check_short_ids(StoreSource(ClickHouseHttpStore(http.url, create_schema=False)))
+
+        app = web.Application()
+        app.add_routes(QueryApi(StoreSource(store), "chdb").routes())
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        serving.start()
+        capsys.readouterr()
+        assert main(["why", ID1[:8], "--sidecar", url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["turn"]["trace_id"] == ID1
+        assert main(["why", "abcd", "--sidecar", url]) == 2  # ambiguous: the input's fault
+        err = capsys.readouterr().err
+        assert err.startswith("otelkv why: abcd is ambiguous: 2 turns") and err.count("\n") == 1
+        assert main(["why", "ffff0000", "--sidecar", url]) == 3  # not found
+        assert "no turn's trace id starts with ffff0000" in capsys.readouterr().err
+    finally:
+        if serving.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            serving.join(timeout=10)
+        if runner is not None:
+            loop.run_until_complete(runner.cleanup())
+        loop.close()
+        http.close()
         store.close()

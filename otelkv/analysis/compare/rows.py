@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from otelkv import names
-from otelkv.analysis import turn_json
+from otelkv.analysis import scope, turn_json
 from otelkv.analysis.diagnose import diagnose, pull_seconds
 from otelkv.analysis.linker import window_turns
 from otelkv.analysis.model import Leg, Turn
@@ -230,8 +230,9 @@ def spans_settings(turns: Sequence[Turn]) -> dict[str, Any]:
 
 
 def rows_from_turns(turns: Sequence[Turn]) -> tuple[list[TurnRow], int]:
-    """(rows, warm-up turns left out): every turn diagnosed, in (conversation, index) order."""
-    kept = [t for t in turns if t.conversation_id != names.FLEET_WARMUP_CONVERSATION]
+    """(rows, turns left out by :func:`otelkv.analysis.scope.counted`): every counted turn
+    diagnosed, in (conversation, index) order."""
+    kept = scope.counted_turns(turns)
     ctx = diagnosis_context(kept)
     rows = [turn_row(t, diagnose(t, ctx)) for t in kept]
     rows.sort(key=lambda r: (r.conversation_id, r.index if r.index is not None else -1, r.start_ns))
@@ -239,8 +240,16 @@ def rows_from_turns(turns: Sequence[Turn]) -> tuple[list[TurnRow], int]:
 
 
 def load_run(source: SpanSource, *, label: str, where: str, manifest: dict[str, Any] | None = None) -> Run:
-    """Every turn of a span source (the whole store: a recorded run is one store)."""
+    """Every counted turn of a span source (the whole store: a recorded run is one store), the
+    way ``slow`` and ``tune`` count them; the warm-up turns left out are counted apart."""
     turns, _ = window_turns(source, since_ns=None, until_ns=None, max_turns=MAX_TURNS)
-    rows, warmup = rows_from_turns(turns)
-    kept = [t for t in turns if t.conversation_id != names.FLEET_WARMUP_CONVERSATION]
-    return Run(label, where, rows, spans_settings(kept), manifest, warmup)
+    rows, _ = rows_from_turns(turns)
+    warmup = sum(
+        len(
+            source.turn_spans(
+                since_ns=None, until_ns=None, limit=None, slowest_first=False, conversation_id=c
+            )
+        )
+        for c in sorted(scope.LEFT_OUT_CONVERSATIONS)
+    )
+    return Run(label, where, rows, spans_settings(turns), manifest, warmup)
