@@ -1,4 +1,5 @@
-"""External checkers for dashboard queries: promtool (PromQL) and Grafana's TraceQL grammar.
+"""External checkers for dashboard queries: promtool (PromQL) and Grafana's TraceQL grammar;
+and the system tools other unit tests need (headless Chromium for the compare report).
 
 Shared by the unit tests and the real-fleet test. A missing tool skips the test with the
 command that installs it - unless ``OTELKV_REQUIRE_FLEET_TESTS=1`` (CI), where a missing
@@ -25,6 +26,7 @@ INSTALL_HINTS = {
     "promtool": "apt-get install -y prometheus",
     "prometheus": "apt-get install -y prometheus",
     "node": "apt-get install -y nodejs npm",
+    "chromium": "apt-get install -y chromium",
     "@grafana/lezer-traceql": f"npm ci --prefix {TRACEQL_DIR}",
 }
 

@@ -222,12 +222,19 @@ def check_comparison(data: dict[str, Any]) -> None:
     )
     assert pb["compute_s"] == pytest.approx(1.90, abs=1e-6) and pb["transfer_s"] == 0
     assert (pb["turns"], pb["turns_with_pull"], pb["pulled_tokens"]) == (6, 0, 0)
+    # Per turn, what runs of different lengths compare by. A's prefill (compute + transfer) per
+    # turn: 0.30 0.20 0.40 0.25 0.15; B's: 0.30 0.35 0.60 0.25 0.15 and c3's 0.25.
+    assert (pa["compute_per_turn_s"], pa["transfer_per_turn_s"]) == (pytest.approx(0.23), pytest.approx(0.03))
+    assert (pa["prefill_p50_s"], pa["pulled_tokens_per_turn"]) == (pytest.approx(0.25), 140)
+    assert (pb["compute_per_turn_s"], pb["transfer_per_turn_s"]) == (pytest.approx(1.90 / 6, abs=1e-6), 0)
+    assert (pb["prefill_p50_s"], pb["pulled_tokens_per_turn"]) == (pytest.approx(0.25), 0)
 
     assert data["pulls_by_reason"]["a"] == {"below_threshold": 1, "no_decode_handle": 2, "pulled": 2}
     assert data["pulls_by_reason"]["b"] == {"bidirectional_off": 6}
 
     kept = data["retained"]["a"]["decode_ttl"]
     assert kept["count"] == 5 and kept["block_seconds"] == pytest.approx(8 + 30 + 240 + 4 + 96)
+    assert kept["block_seconds_per_turn"] == pytest.approx(378 / 5)
     # c1#2 (107.98 s for 12 s) and c2#1 (104.48 s for 12 s) overlap: 20 + 8 blocks, 2.8 MB.
     assert (kept["peak_bytes"], kept["peak_blocks"]) == (2_800_000, 28)
     assert kept["outcomes"] == {"consumed": 3, "expired": 2}

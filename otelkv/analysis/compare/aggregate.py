@@ -109,18 +109,27 @@ def ttft(a: Sequence[TurnRow], b: Sequence[TurnRow]) -> dict[str, Any]:
 
 
 def prefill_split(rows: Sequence[TurnRow]) -> dict[str, Any]:
-    """Prefill seconds summed over the run: engine compute, and waiting for pulled KV."""
+    """Prefill seconds of the run's turns that had a prefill request: engine compute, and waiting
+    for pulled KV; summed, and per turn (mean, and the median of compute + transfer).
+
+    Per turn is what two runs can be compared by: they rarely have the same number of turns
+    (failed or cut-short conversations), and a sum grows with the count.
+    """
     legs = [r for r in rows if r.prefill_compute_s is not None]
     compute = sum(r.prefill_compute_s or 0.0 for r in legs)
     transfer = sum(r.prefill_transfer_s or 0.0 for r in legs)
+    pulled = sum(r.pulled_tokens for r in legs)
+    totals = [(r.prefill_compute_s or 0.0) + (r.prefill_transfer_s or 0.0) for r in legs]
     return {
         "turns": len(legs),
         "compute_s": _r(compute),
         "transfer_s": _r(transfer),
         "compute_per_turn_s": _r(compute / len(legs)) if legs else None,
         "transfer_per_turn_s": _r(transfer / len(legs)) if legs else None,
+        "prefill_p50_s": _r(quantile(totals, 0.5)) if totals else None,
         "turns_with_pull": sum(1 for r in legs if r.pulled_tokens > 0),
-        "pulled_tokens": sum(r.pulled_tokens for r in legs),
+        "pulled_tokens": pulled,
+        "pulled_tokens_per_turn": _r(pulled / len(legs), 3) if legs else None,
         "computed_tokens": sum(r.computed_tokens or 0 for r in legs),
     }
 
@@ -131,7 +140,8 @@ def pulls_by_reason(rows: Sequence[TurnRow]) -> dict[str, int]:
 
 
 def retained(rows: Sequence[TurnRow]) -> dict[str, Any]:
-    """Per retention kind: how many, block-seconds held, most bytes and blocks held at once."""
+    """Per retention kind: how many, block-seconds held (in all and per turn of the run), most
+    bytes and blocks held at once."""
     out: dict[str, Any] = {}
     kinds = sorted({h.kind for r in rows for h in r.held})
     for kind in kinds:
@@ -142,6 +152,7 @@ def retained(rows: Sequence[TurnRow]) -> dict[str, Any]:
         out[kind] = {
             "count": len(held),
             "block_seconds": _r(sum(h.blocks * h.held_s for h in held), 3),
+            "block_seconds_per_turn": _r(sum(h.blocks * h.held_s for h in held) / len(rows), 3),
             "peak_bytes": top_bytes,
             "peak_blocks": top_blocks,
             "outcomes": dict(sorted(Counter(h.outcome or "-" for h in held).items())),

@@ -85,15 +85,23 @@ def show_compare(data: dict[str, Any], out: TextIO) -> None:
 
     pa, pb = data["prefill"]["a"], data["prefill"]["b"]
     prefill = [
-        [label, p["turns"], _s(p["compute_s"]), _s(p["transfer_s"]), p["turns_with_pull"], p["pulled_tokens"]]
+        [
+            label,
+            p["turns"],
+            _s(p["compute_per_turn_s"]),
+            _s(p["transfer_per_turn_s"]),
+            _s(p.get("prefill_p50_s")),
+            p["turns_with_pull"],
+            "-" if p.get("pulled_tokens_per_turn") is None else f"{p['pulled_tokens_per_turn']:.1f}",
+        ]
         for label, p in (("A", pa), ("B", pb))
     ]
     out.write(
-        "\nprefill, summed over turns (compute: engine time; KV transfer: waiting for KV pulled "
-        "from decode):\n"
+        "\nprefill per turn, mean over the turns with a prefill request (compute: engine time; "
+        "KV transfer: waiting for KV pulled from decode):\n"
     )
-    head = ["RUN", "TURNS", "COMPUTE", "KV TRANSFER", "PULLS", "PULLED TOKENS"]
-    out.write(render.table(head, prefill, right=(1, 2, 3, 4, 5)) + "\n")
+    head = ["RUN", "TURNS", "COMPUTE", "KV TRANSFER", "P50 PREFILL", "TURNS THAT PULLED", "PULLED TOKENS"]
+    out.write(render.table(head, prefill, right=(1, 2, 3, 4, 5, 6)) + "\n")
 
     reasons = sorted(set(data["pulls_by_reason"]["a"]) | set(data["pulls_by_reason"]["b"]))
     pulls = [
@@ -125,18 +133,16 @@ def _retained(retained: dict[str, Any], out: TextIO) -> None:
                     label.upper(),
                     r["count"],
                     f"{r['block_seconds']:.0f}",
+                    f"{r.get('block_seconds_per_turn') or 0:.1f}",
                     render.human_bytes(r["peak_bytes"]),
                     r["peak_blocks"],
                     ", ".join(f"{k} {n}" for k, n in r["outcomes"].items()),
                 ]
                 if r
-                else [kind, label.upper(), 0, "0", "0 B", 0, "-"]
+                else [kind, label.upper(), 0, "0", "0.0", "0 B", 0, "-"]
             )
-    out.write(
-        render.table(
-            ["KIND", "RUN", "COUNT", "BLOCK-S", "PEAK MEM", "PEAK BLOCKS", "ENDED"], rows, right=(2, 3, 4, 5)
-        )
-    )
+    head = ["KIND", "RUN", "COUNT", "BLOCK-S", "PER TURN", "PEAK MEM", "PEAK BLOCKS", "ENDED"]
+    out.write(render.table(head, rows, right=(2, 3, 4, 5, 6)))
     out.write("\n")
 
 
