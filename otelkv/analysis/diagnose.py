@@ -470,8 +470,8 @@ def check_ttl_lapsed(turn: Turn, ctx: Context) -> Diagnosis | None:
         f"Raise decoder_kv_blocks_ttl (kv_connector_extra_config of the decode node's --kv-transfer-config) "
         f"to about {suggest_ttl(turn.gap_s + READ_EXPIRY_MARGIN_S)}s to bridge gaps like this one (vLLM "
         f"declines reads from {READ_EXPIRY_MARGIN_S:g}s before the deadline), if the memory is there "
-        f"(cost: blocks x seconds held; see otelkv_kv_retention_block_seconds); keep the router's handle "
-        "TTL at or below it. Or shorten the agent's wait between turns."
+        "(cost: blocks x seconds held; see otelkv_kv_retention_block_seconds_total); keep the router's "
+        "handle TTL at or below it. Or shorten the agent's wait between turns."
     )
     return Diagnosis(
         names.DIAG_TTL_LAPSED,
@@ -1028,10 +1028,10 @@ def check_history_rewritten(turn: Turn, ctx: Context) -> Diagnosis | None:
 
 
 _ANSWER_PART = {
-    names.PREVIOUS_ANSWER_CONTENT_DIFFERS: "its text",
-    names.PREVIOUS_ANSWER_TOOL_CALLS_DIFFER: "its tool calls",
-    names.PREVIOUS_ANSWER_BOTH_DIFFER: "its text and its tool calls",
-    names.PREVIOUS_ANSWER_DROPPED: "all of it (no assistant message there)",
+    names.PREVIOUS_ANSWER_CONTENT_DIFFERS: "its text differs",
+    names.PREVIOUS_ANSWER_TOOL_CALLS_DIFFER: "its tool calls differ",
+    names.PREVIOUS_ANSWER_BOTH_DIFFER: "its text and its tool calls differ",
+    names.PREVIOUS_ANSWER_DROPPED: "it is missing (no assistant message there)",
 }
 
 
@@ -1069,8 +1069,8 @@ def check_answer_re_rendered(turn: Turn, ctx: Context) -> Diagnosis | None:
     }
     if sidecar_differs and history is not None and state is not None:
         head = (
-            f"The previous answer came back in message {history.previous_messages} other than the sidecar "
-            f"relayed it: {_ANSWER_PART[state]} differs"
+            f"The previous answer came back in message {history.previous_messages} changed from what the "
+            f"sidecar relayed: {_ANSWER_PART[state]}"
         )
     elif state == names.PREVIOUS_ANSWER_VERBATIM:
         head = (

@@ -590,7 +590,8 @@ def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = 16) -> float
 
     A prefill span's duration minus its KV wait, divided by the tokens it computed,
     bounds the cost of recomputing one token on that engine from above. Requests that
-    computed fewer than ``min_tokens`` are skipped (fixed per-request overhead dominates).
+    computed fewer than ``min_tokens`` are skipped (fixed per-request overhead dominates),
+    and so are those whose KV wait took the whole span (no compute measured).
     """
     rates = []
     for turn in turns:
@@ -605,6 +606,10 @@ def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = 16) -> float
                 names.OUTCOME_FINISHED,
             )
         ):
+            continue
+        if leg.compute_s <= 0.0:
+            # The KV wait covered the whole span (its clock and the worker's differ): this
+            # request measured no compute at all, and a rate of 0 would win the min() below.
             continue
         rates.append(leg.compute_s / leg.computed)
     if not rates:

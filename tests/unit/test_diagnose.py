@@ -1220,3 +1220,23 @@ def test_expired_read_failed_versus_transfer_failed(
     assert (names.DIAG_EXPIRED_READ_FAILED in found) is expired_read
     if reason == names.REASON_TRANSFER_FAILED:
         assert names.DIAG_TRANSFER_FAILED in found
+
+
+def test_recompute_rate_skips_requests_whose_wait_covered_the_span() -> None:
+    """A prefill request whose KV wait is as long as the span measured no compute; its rate of
+    0 s/token would otherwise be the fastest and silently price every recompute at nothing."""
+    from otelkv.analysis.model import Leg, Transfer, Turn, per_token_compute_s
+
+    def turn(trace: str, duration_s: float, wait_s: float, computed: int) -> Turn:
+        end = int(duration_s * 1e9)
+        transfer = Transfer(
+            direction=names.DIRECTION_D_TO_P, outcome=None, bytes=0, xfer_s=None, wait_s=wait_s,
+            post_s=None, tokens=None, backend=None, start_ns=0, end_ns=end,
+        )  # fmt: skip
+        leg = Leg(role=names.ROLE_PREFILL, start_ns=0, end_ns=end, computed=computed, transfer=transfer)
+        return Turn(trace_id=trace, source="test", prefill=leg)
+
+    measured = turn("a", duration_s=0.5, wait_s=0.1, computed=100)  # 0.4 s / 100 tokens
+    no_compute = turn("b", duration_s=0.2, wait_s=0.3, computed=100)  # wait longer than the span
+    assert per_token_compute_s([measured, no_compute]) == pytest.approx(0.004)
+    assert per_token_compute_s([no_compute]) is None
