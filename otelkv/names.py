@@ -420,6 +420,19 @@ PULL_REASONS: Final = (
     REASON_TRANSFER_FAILED,
     REASON_CONTINUITY_MISMATCH,
 )
+PULL_DECISION_REASONS: Final = (
+    (DECISION_PULL, REASON_PULLED),
+    (DECISION_PULL, REASON_BIDIRECTIONAL_OFF),
+    (DECISION_PULL, REASON_DECLINED_EXPIRED),
+    (DECISION_PULL, REASON_TRANSFER_FAILED),
+    (DECISION_RECOMPUTE, REASON_BELOW_THRESHOLD),
+    (DECISION_RECOMPUTE, REASON_NOTHING_BEYOND_LOCAL_HIT),
+    (DECISION_RECOMPUTE, REASON_NO_DECODE_HANDLE),
+    (DECISION_RECOMPUTE, REASON_INVALID_HANDLE),
+    (DECISION_RECOMPUTE, REASON_CONTINUITY_MISMATCH),
+)
+"""The (decision, reason) pairs an engine can report: a pull whose read then failed keeps
+``pull`` with the read's fate as its reason; guard mode turns a pull into a recompute."""
 
 TRANSFER_OK: Final = "ok"
 TRANSFER_DECLINED_EXPIRED: Final = "declined_expired"
@@ -510,6 +523,52 @@ GAP_SOURCE_NONE: Final = "none"
 """First turn of a conversation: there is no gap to split."""
 GAP_SOURCES: Final = (GAP_SOURCE_AGENT_SPANS, GAP_SOURCE_MESSAGES, GAP_SOURCE_NONE)
 
+SPAN_SOURCE_OTLP: Final = "otlp"
+SPAN_SOURCE_SIDECAR: Final = "sidecar"
+SPAN_SOURCES: Final = (SPAN_SOURCE_OTLP, SPAN_SOURCE_SIDECAR)
+"""``source`` of ``otelkv_sidecar_spans_received``: exported to the receiver, or the sidecar's own."""
+
+DROP_QUEUE_FULL: Final = "queue_full"
+DROP_STORE_ERROR: Final = "store_error"
+DROP_PROXY_CHANNEL_FULL: Final = "proxy_channel_full"
+"""The proxy process dropped finished turns: the main process had stopped reading them."""
+DROP_EXPORT_FAILED: Final = "export_failed"
+DROP_SHUTDOWN: Final = "shutdown"
+STORE_DROP_REASONS: Final = (DROP_QUEUE_FULL, DROP_STORE_ERROR, DROP_PROXY_CHANNEL_FULL)
+"""``reason`` of ``otelkv_sidecar_spans_dropped``."""
+FORWARD_DROP_REASONS: Final = (DROP_QUEUE_FULL, DROP_EXPORT_FAILED, DROP_SHUTDOWN)
+"""``reason`` of ``otelkv_sidecar_forward_dropped``."""
+
+REFUSED_MALFORMED: Final = "malformed"
+"""Not valid HTTP (proxy, 400) or not a valid OTLP export (receiver, 400)."""
+REFUSED_TOO_LARGE: Final = "too_large"
+"""A body over the limit (413)."""
+REFUSED_HEADERS_TOO_LARGE: Final = "headers_too_large"
+"""Request line and headers over the proxy's limit (431)."""
+REFUSED_UPGRADE: Final = "upgrade"
+"""A protocol upgrade or CONNECT, which the proxy does not relay (501)."""
+REFUSED_HTTP_VERSION: Final = "http_version"
+"""An HTTP version other than 1.0 and 1.1 (505)."""
+REFUSED_MEDIA_TYPE: Final = "media_type"
+"""An OTLP export in a content type or encoding the receiver does not read (415)."""
+REQUEST_REFUSED_REASONS: Final = (
+    REFUSED_MALFORMED,
+    REFUSED_TOO_LARGE,
+    REFUSED_HEADERS_TOO_LARGE,
+    REFUSED_UPGRADE,
+    REFUSED_HTTP_VERSION,
+)
+"""``reason`` of ``otelkv_sidecar_requests_refused``."""
+OTLP_REJECTED_REASONS: Final = (REFUSED_MALFORMED, REFUSED_TOO_LARGE, REFUSED_MEDIA_TYPE)
+"""``reason`` of ``otelkv_sidecar_otlp_rejected`` (HTTP 400, 413, 415)."""
+
+PULL_PART_RECOMPUTE_AVOIDED: Final = "recompute_avoided"
+"""Pulled tokens times the prefill node's measured compute seconds per token."""
+PULL_PART_WAIT: Final = "pull_wait"
+"""The pull's own time: the prefill node's wait for the remote KV."""
+PULL_PARTS: Final = (PULL_PART_RECOMPUTE_AVOIDED, PULL_PART_WAIT)
+"""``part`` of ``otelkv_trace_pull_prefill_seconds``: saved = recompute_avoided - pull_wait."""
+
 TTFT_SOURCE_STREAM: Final = "stream"
 """First content chunk the sidecar forwarded."""
 TTFT_SOURCE_ENGINE: Final = "engine"
@@ -550,6 +609,32 @@ DIAG_ID_CHANGED_ON_RESUME: Final = "conversation_id_changed_on_resume"
 DIAG_ID_REUSED: Final = "conversation_id_reused"
 DIAG_HISTORY_REWRITTEN: Final = "history_rewritten"
 DIAG_ANSWER_RE_RENDERED: Final = "answer_re_rendered"
+
+# ``otelkv funnel``: the steps a follow-up turn passes on its way to a pull that paid off
+# (docs/funnel.md). A turn lost at a step carries a diagnosis id or pull reason above, or
+# one of the FUNNEL_LOST_* reasons when the trace cannot say more.
+FUNNEL_FOLLOW_UP: Final = "follow_up"
+FUNNEL_CONVERSATION_ID: Final = "conversation_id"
+FUNNEL_DECODE_HANDLE: Final = "decode_handle"
+FUNNEL_KV_HELD: Final = "kv_held"
+FUNNEL_ABOVE_THRESHOLD: Final = "above_threshold"
+FUNNEL_PULLED: Final = "pulled"
+FUNNEL_FASTER: Final = "faster_than_recompute"
+FUNNEL_STEPS: Final = (
+    FUNNEL_FOLLOW_UP,
+    FUNNEL_CONVERSATION_ID,
+    FUNNEL_DECODE_HANDLE,
+    FUNNEL_KV_HELD,
+    FUNNEL_ABOVE_THRESHOLD,
+    FUNNEL_PULLED,
+    FUNNEL_FASTER,
+)
+FUNNEL_LOST_PREVIOUS_DECODE_UNSEEN: Final = "previous_decode_unseen"
+"""No decode request of the previous turn in the store, and nothing in this turn shows a handle."""
+FUNNEL_LOST_NO_PREFILL_REQUEST: Final = "no_prefill_request"
+"""The turn has no prefill request in the store (engine spans missing, or it failed before one)."""
+FUNNEL_LOST_UNEXPLAINED: Final = "unexplained"
+"""The step failed and neither a diagnosis nor a pull reason says why."""
 
 # ``otelkv doctor``: the prerequisites of reverse reuse, each checked from traffic, the
 # engines' resource attributes and their /metrics.
@@ -685,13 +770,17 @@ fail-open tests and drills only: serving must go on unchanged while it is set.""
 # --------------------------------------------------------------------------------------
 
 METRIC_TURN_PHASE_SECONDS: Final = "otelkv_turn_phase_seconds"
-"""Histogram, labels phase, model: seconds of each agent turn spent in each phase."""
+"""Histogram, labels phase, model_name: seconds of each agent turn spent in each phase."""
 METRIC_TURN_TTFT_SECONDS: Final = "otelkv_turn_ttft_seconds"
-"""Histogram, labels turn_index (bucketed), model: time to first token by turn index."""
+"""Histogram, labels turn_index (bucketed), model_name: time to first token by turn index."""
+METRIC_CONVERSATION_SECONDS: Final = "otelkv_conversation_seconds"
+"""Histogram, label model_name: task time, a finished conversation's first request arrival to
+its last response byte. A conversation counts as finished once no request of it arrived for
+:data:`CONVERSATION_IDLE_SECONDS` (or the sidecar had to forget it, or stops)."""
 METRIC_TURN_GAP_SECONDS: Final = "otelkv_turn_gap_seconds"
 """Histogram, label source: the gap before a turn (tool wait plus app work)."""
 METRIC_TURNS: Final = "otelkv_turns"
-"""Counter, labels model, status (ok/error), stream: turns the sidecar proxied."""
+"""Counter, labels model_name, status (ok/error), stream: turns the sidecar proxied."""
 METRIC_TRACE_PREFILL_TOKENS: Final = "otelkv_trace_prefill_tokens"
 """Counter, label source: prompt tokens by source, from engine spans the sidecar received."""
 METRIC_TRACE_PULL_DECISIONS: Final = "otelkv_trace_pull_decisions"
@@ -700,15 +789,20 @@ METRIC_TRACE_TRANSFER_BYTES: Final = "otelkv_trace_kv_transfer_bytes"
 """Counter (bytes), labels direction, backend: from transfer spans the sidecar received."""
 METRIC_TRACE_RETENTIONS: Final = "otelkv_trace_kv_retentions"
 """Counter, labels kind, outcome: from retention spans the sidecar received."""
+METRIC_TRACE_PULL_PREFILL_SECONDS: Final = "otelkv_trace_pull_prefill_seconds"
+"""Counter (seconds), labels part, model_name: what pulls saved on prefill nodes, as two
+monotonic parts (:data:`PULL_PARTS`); seconds saved = ``recompute_avoided - pull_wait``."""
 METRIC_SIDECAR_SPANS_RECEIVED: Final = "otelkv_sidecar_spans_received"
 """Counter, label source (otlp/sidecar): spans accepted for the store."""
 METRIC_SIDECAR_SPANS_DROPPED: Final = "otelkv_sidecar_spans_dropped"
 """Counter, label reason (queue_full/store_error): spans that did not reach the store."""
 METRIC_SIDECAR_OTLP_REJECTED: Final = "otelkv_sidecar_otlp_rejected"
-"""Counter: OTLP exports refused (malformed 400, too large 413, unsupported media type 415)."""
+"""Counter, label reason (:data:`OTLP_REJECTED_REASONS`): OTLP exports refused (malformed 400,
+too large 413, unsupported media type 415)."""
 METRIC_SIDECAR_REQUESTS_REFUSED: Final = "otelkv_sidecar_requests_refused"
-"""Counter: client requests the proxy answered itself with a 4xx/501 (malformed HTTP, body or
-headers too large, protocol upgrade) instead of forwarding them."""
+"""Counter, label reason (:data:`REQUEST_REFUSED_REASONS`): client requests the proxy answered
+itself with a 4xx/5xx (malformed HTTP, body or headers too large, protocol upgrade, HTTP
+version) instead of forwarding them."""
 METRIC_SIDECAR_UPSTREAM_ERRORS: Final = "otelkv_sidecar_upstream_errors"
 """Counter: requests the upstream could not answer (the client got a 502)."""
 METRIC_SIDECAR_STORE_QUEUE: Final = "otelkv_sidecar_store_queue_spans"
@@ -738,6 +832,29 @@ TURN_SECONDS_BUCKETS: Final = (
     900.0,
 )
 """Buckets for turn phases and gaps: milliseconds of prefill up to many-minute tool waits."""
+
+CONVERSATION_SECONDS_BUCKETS: Final = (
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
+    3600.0,
+    7200.0,
+    14400.0,
+)
+"""Buckets for task time: a one-turn question up to agent tasks of hours."""
+
+CONVERSATION_IDLE_SECONDS: Final = 900.0
+"""A conversation with no request for this long is finished (its task time is observed). Longer
+than vLLM's default ``decoder_kv_blocks_ttl`` (480 s): an agent that comes back after that has
+lost its decode KV anyway, and a tool wait of several minutes stays inside one task."""
 
 TURN_INDEX_BUCKETS: Final = ("0", "1", "2", "3", "4-7", "8-15", "16-31", "32+")
 
@@ -771,9 +888,11 @@ LABEL_OUTCOME: Final = "outcome"
 LABEL_KIND: Final = "kind"
 LABEL_SITE: Final = "site"
 LABEL_PHASE: Final = "phase"
-LABEL_MODEL: Final = "model"
-"""The sidecar's label for the requested model (capped, then ``other``). Engine series carry
-vLLM's own ``model_name`` and ``engine`` labels instead."""
+LABEL_MODEL: Final = "model_name"
+"""The model label: vLLM's own name, which it puts on every engine series (otelkv's included,
+beside ``engine``). The sidecar's series use it too, for the requested model (capped, then
+``other``), so one selector filters both."""
+LABEL_PART: Final = "part"
 LABEL_TURN_INDEX: Final = "turn_index"
 LABEL_STATUS: Final = "status"
 LABEL_STREAM: Final = "stream"
@@ -895,6 +1014,13 @@ SIDECAR_METRICS: Final = (
         TURN_SECONDS_BUCKETS,
     ),
     Metric(
+        METRIC_CONVERSATION_SECONDS,
+        HISTOGRAM,
+        (LABEL_MODEL,),
+        "Task time: a finished conversation's first request arrival to its last response byte.",
+        CONVERSATION_SECONDS_BUCKETS,
+    ),
+    Metric(
         METRIC_TURN_GAP_SECONDS,
         HISTOGRAM,
         (LABEL_SOURCE,),
@@ -926,19 +1052,26 @@ SIDECAR_METRICS: Final = (
         (LABEL_KIND, LABEL_OUTCOME),
         "Retentions that ended on decode nodes (from engine spans).",
     ),
+    Metric(
+        METRIC_TRACE_PULL_PREFILL_SECONDS,
+        COUNTER,
+        (LABEL_PART, LABEL_MODEL),
+        "Prefill seconds of pulls: recompute avoided (pulled tokens x measured seconds per computed "
+        "token) and the pulls' own wait; saved = recompute_avoided - pull_wait.",
+    ),
     Metric(METRIC_SIDECAR_SPANS_RECEIVED, COUNTER, (LABEL_SOURCE,), "Spans accepted for the store."),
     Metric(METRIC_SIDECAR_SPANS_DROPPED, COUNTER, (LABEL_REASON,), "Spans that did not reach the store."),
     Metric(
         METRIC_SIDECAR_OTLP_REJECTED,
         COUNTER,
-        (),
-        "OTLP exports refused (malformed, too large, media type).",
+        (LABEL_REASON,),
+        "OTLP exports refused, by reason (malformed, too large, media type).",
     ),
     Metric(
         METRIC_SIDECAR_REQUESTS_REFUSED,
         COUNTER,
-        (),
-        "Client requests refused by the proxy (malformed, too large, upgrade).",
+        (LABEL_REASON,),
+        "Client requests refused by the proxy, by reason (malformed, too large, upgrade, version).",
     ),
     Metric(METRIC_SIDECAR_UPSTREAM_ERRORS, COUNTER, (), "Requests the upstream could not answer."),
     Metric(

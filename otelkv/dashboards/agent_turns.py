@@ -13,7 +13,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard
 
 from otelkv import names
-from otelkv.dashboards import frame, vllm_metrics
+from otelkv.dashboards import colours, frame, vllm_metrics
 from otelkv.dashboards import promql as q
 from otelkv.dashboards import sql as s
 from otelkv.dashboards.panels import (
@@ -39,12 +39,16 @@ TITLE = "otelkv / Agent turns"
 
 PHASE = names.METRIC_TURN_PHASE_SECONDS
 TTFT = names.METRIC_TURN_TTFT_SECONDS
+TASK = names.METRIC_CONVERSATION_SECONDS
 F = q.SIDECAR_FILTERS
 
 TURN_TIME_LIMITS = thresholds((None, "green"), (10.0, "yellow"), (30.0, "red"))
 """An agent turn (tool wait included) over 10 s is noticeable, over 30 s painful."""
 TTFT_LIMITS = thresholds((None, "green"), (1.0, "yellow"), (3.0, "red"))
 """Time to first token: what a user watching a streamed answer waits for."""
+TASK_LIMITS = thresholds((None, "green"), (300.0, "yellow"), (1800.0, "red"))
+"""Task time: an agent task of more than 5 minutes is felt, of more than half an hour is a
+problem worth a look (most of it is usually tool wait, which this panel alone cannot tell)."""
 
 
 def _turns(*matchers: str) -> str:
@@ -145,26 +149,30 @@ def input_processing_mean() -> PanelBuilder:
 
 
 def phase_mean_over_time() -> PanelBuilder:
-    return timeseries_panel(
-        9,
-        "Turn time by phase (mean per turn)",
-        "Stacked: the height is the mean turn time. Tool wait and app work are the gap "
-        "before a request; input processing runs to the first token; generation after it.",
-        SECONDS,
-        [prom(_per_turn_mean((q.PHASE,)), "{{phase}}")],
-        stack=True,
-        limits=TURN_TIME_LIMITS,
+    return colours.by_phase(
+        timeseries_panel(
+            9,
+            "Turn time by phase (mean per turn)",
+            "Stacked: the height is the mean turn time. Tool wait and app work are the gap "
+            "before a request; input processing runs to the first token; generation after it.",
+            SECONDS,
+            [prom(_per_turn_mean((q.PHASE,)), "{{phase}}")],
+            stack=True,
+            limits=TURN_TIME_LIMITS,
+        )
     )
 
 
 def phase_p95_over_time() -> PanelBuilder:
-    return timeseries_panel(
-        10,
-        "Turn time by phase (p95)",
-        "95th percentile of each phase on its own (percentiles do not add up across phases).",
-        SECONDS,
-        [prom(q.quantile(0.95, q.sel(q.bucket(PHASE), F), (q.PHASE,)), "{{phase}}")],
-        limits=TURN_TIME_LIMITS,
+    return colours.by_phase(
+        timeseries_panel(
+            10,
+            "Turn time by phase (p95)",
+            "95th percentile of each phase on its own (percentiles do not add up across phases).",
+            SECONDS,
+            [prom(q.quantile(0.95, q.sel(q.bucket(PHASE), F), (q.PHASE,)), "{{phase}}")],
+            limits=TURN_TIME_LIMITS,
+        )
     )
 
 
@@ -181,7 +189,7 @@ def model_mean_over_time() -> PanelBuilder:
         "Mean turn time by model",
         "Turn time (all four phases) per served model.",
         SECONDS,
-        [prom(total, "{{model}}")],
+        [prom(total, "{{model_name}}")],
         limits=TURN_TIME_LIMITS,
     )
 
@@ -192,12 +200,15 @@ def model_phase_bars() -> PanelBuilder:
         q.sum_by(by, q.increase(q.sel(q.hist_sum(PHASE), F))),
         q.sum_by(by, q.increase(q.sel(q.hist_count(PHASE), F))),
     )
-    return bargauge_panel(
-        12,
-        "Turn time by model and phase (mean over the range)",
-        "Where each model's turns spend their time, averaged over the dashboard's range.",
-        SECONDS,
-        [prom(expr, "{{model}} · {{phase}}", instant=True)],
+    return colours.by_phase(
+        bargauge_panel(
+            12,
+            "Turn time by model and phase (mean over the range)",
+            "Where each model's turns spend their time, averaged over the dashboard's range.",
+            SECONDS,
+            [prom(expr, "{{model_name}} · {{phase}}", instant=True)],
+        ),
+        suffix=True,
     )
 
 
@@ -210,7 +221,7 @@ def ttft_by_turn_over_time() -> PanelBuilder:
         "turn 0; without it they grow with the history.",
         SECONDS,
         [prom(q.quantile(0.95, q.sel(q.bucket(TTFT), F), (q.TURN_INDEX,)), "turn {{turn_index}}")],
-        width=8,
+        width=6,
         limits=TTFT_LIMITS,
     )
 
@@ -236,7 +247,7 @@ def ttft_by_turn_bars() -> PanelBuilder:
                 instant=True,
             ),
         ],
-        width=8,
+        width=6,
         limits=TTFT_LIMITS,
     )
 
@@ -251,8 +262,32 @@ def engine_ttft() -> PanelBuilder:
         "router, the decode hand-off and the network add.",
         SECONDS,
         [prom(q.quantile(0.95, series, (q.INSTANCE,)), "{{instance}}")],
-        width=8,
+        width=6,
         limits=TTFT_LIMITS,
+    )
+
+
+TASK_WINDOW = "1h"
+"""Window of the task-time quantiles: long enough to hold several finished conversations."""
+
+
+def task_time() -> PanelBuilder:
+    series = q.sel(q.bucket(TASK), F)
+    return timeseries_panel(
+        19,
+        "Task time p50 / p95",
+        "A whole conversation's wall time, first request arrival to last response byte: the "
+        "time an agent task took, next to the time to first token of its turns. A conversation "
+        f"counts once it has had no request for {names.CONVERSATION_IDLE_SECONDS:.0f} s, so it "
+        "shows up that long after its last turn; each point covers the hour before it "
+        "(conversations end far less often than turns do).",
+        SECONDS,
+        [
+            prom(q.quantile(0.5, series, window=TASK_WINDOW), "p50", "A"),
+            prom(q.quantile(0.95, series, window=TASK_WINDOW), "p95", "B"),
+        ],
+        width=6,
+        limits=TASK_LIMITS,
     )
 
 
@@ -332,10 +367,11 @@ def build() -> dashboard.Dashboard:
         .with_panel(phase_p95_over_time())
         .with_panel(model_mean_over_time())
         .with_panel(model_phase_bars())
-        .with_row(frame.row(13, "Time to first token"))
+        .with_row(frame.row(13, "Time to first token and task time"))
         .with_panel(ttft_by_turn_over_time())
         .with_panel(ttft_by_turn_bars())
         .with_panel(engine_ttft())
+        .with_panel(task_time())
         .with_row(frame.row(17, "Slow turns"))
         .with_panel(slowest_turns())
     )

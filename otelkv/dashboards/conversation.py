@@ -15,7 +15,7 @@ from grafana_foundation_sdk.models.dashboard import VariableRefresh, VariableSor
 from grafana_foundation_sdk.models.tempo import SearchTableType
 
 from otelkv import names
-from otelkv.dashboards import frame
+from otelkv.dashboards import colours, frame
 from otelkv.dashboards import promql as q
 from otelkv.dashboards import sql as s
 from otelkv.dashboards import traceql as t
@@ -26,7 +26,9 @@ from otelkv.dashboards.panels import (
     PanelBuilder,
     barchart_panel,
     links,
+    stat_panel,
     table_panel,
+    thresholds,
     unit_of,
 )
 from otelkv.dashboards.sources import CLICKHOUSE, TEMPO
@@ -147,6 +149,73 @@ def turns_table() -> PanelBuilder:
     )
 
 
+CONVERSATION_TURNS = f"""
+FROM {s.TABLE}
+WHERE {s.TIME_FILTER}
+  AND {s.TURN_SPANS}
+  AND {s.var_eq(s.attr(names.GEN_AI_CONVERSATION_ID), CONV)}"""
+
+TASK_TIME_SQL = f"""
+SELECT
+    (max(toUnixTimestamp64Nano(Timestamp) + Duration) - min(toUnixTimestamp64Nano(Timestamp))) / 1e9
+        AS task_s
+{CONVERSATION_TURNS}
+"""
+"""The task: the conversation's first request arrival to its last turn's last byte."""
+
+TURN_COUNT_SQL = f"""
+SELECT count() AS turns
+{CONVERSATION_TURNS}
+"""
+
+TTFT_SQL = f"""
+SELECT quantileExact(0.5)({s.num_or_null(names.TURN_TTFT_SECONDS)}) AS ttft_s
+{CONVERSATION_TURNS}
+"""
+
+
+def task_time() -> PanelBuilder:
+    return stat_panel(
+        16,
+        "Task time",
+        "The conversation's wall time in the range: its first request's arrival to its last "
+        "turn's last response byte (tool waits and app work between turns included).",
+        SECONDS,
+        s.ClickHouseTarget(TASK_TIME_SQL),
+        thresholds((None, "blue")),
+        width=8,
+        source=CLICKHOUSE,
+    )
+
+
+def turn_count() -> PanelBuilder:
+    return stat_panel(
+        17,
+        "Turn count",
+        "Agent requests of the conversation in the range.",
+        COUNT,
+        s.ClickHouseTarget(TURN_COUNT_SQL),
+        thresholds((None, "blue")),
+        width=8,
+        decimals=0,
+        source=CLICKHOUSE,
+    )
+
+
+def ttft_median() -> PanelBuilder:
+    return stat_panel(
+        18,
+        "TTFT (median of streamed turns)",
+        "Request arrival to the first content byte the agent received, median over the "
+        "conversation's streamed turns (non-streamed turns have no first token to time).",
+        SECONDS,
+        s.ClickHouseTarget(TTFT_SQL),
+        thresholds((None, "green"), (1.0, "yellow"), (3.0, "red")),
+        width=8,
+        source=CLICKHOUSE,
+    )
+
+
 PHASES_SQL = f"""
 SELECT
     concat('turn ', toString({s.integer(names.TURN_INDEX)})) AS turn,
@@ -163,13 +232,15 @@ ORDER BY {s.integer(names.TURN_INDEX)}, Timestamp
 
 
 def phases_per_turn() -> PanelBuilder:
-    return barchart_panel(
-        3,
-        "Turn time by phase",
-        "Each turn's time, stacked by phase, in conversation order.",
-        SECONDS,
-        s.ClickHouseTarget(PHASES_SQL),
-        "turn",
+    return colours.by_phase(
+        barchart_panel(
+            3,
+            "Turn time by phase",
+            "Each turn's time, stacked by phase, in conversation order.",
+            SECONDS,
+            s.ClickHouseTarget(PHASES_SQL),
+            "turn",
+        )
     )
 
 
@@ -488,6 +559,9 @@ def build() -> dashboard.Dashboard:
         .with_variable(model_variable())
         .with_variable(conversation_variable())
         .with_row(frame.row(1, "Turns of the conversation"))
+        .with_panel(task_time())
+        .with_panel(turn_count())
+        .with_panel(ttft_median())
         .with_panel(turns_table())
         .with_panel(phases_per_turn())
         .with_panel(tokens_per_turn())

@@ -8,7 +8,10 @@ engines a fleet has.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
+from urllib.parse import quote
 
 from grafana_foundation_sdk.builders import dashboard
 from grafana_foundation_sdk.models.dashboard import (
@@ -106,22 +109,60 @@ CONVERSATION_UID = "otelkv-conversation"
 CONVERSATION_VAR = "conversation"
 
 
+def percentencoded(expression: str) -> str:
+    """A Grafana link variable (``${__value.raw}``, ``${__data.fields.x}``, ``${tempo}``) in its
+    percent-encoded form (``${__value.raw:percentencode}``): a conversation id may hold ``&``,
+    ``#``, ``%`` or spaces, which would otherwise cut or change the link."""
+    match = _LINK_VARIABLE.fullmatch(expression)
+    if match is None:
+        raise ValueError(f"not a Grafana link variable: {expression!r}")
+    return f"${{{match.group(1)}:percentencode}}"
+
+
+_LINK_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_.]*)\}")
+TIME_RANGE = "${__url_time_range}"
+"""Grafana's own ``from=...&to=...`` for the dashboard's range (already URL-encoded)."""
+
+
 def conversation_url(conversation: str) -> str:
     """The Conversation dashboard for one conversation, keeping the time range and sources.
 
-    ``conversation`` is a data-link expression such as ``${__value.raw}``.
+    ``conversation`` is a data-link expression such as ``${__value.raw}``; it goes into the
+    URL percent-encoded, as do the datasource variables.
     """
     return (
-        f"/d/{CONVERSATION_UID}/otelkv-conversation?var-{CONVERSATION_VAR}={conversation}"
-        "&${__url_time_range}&var-clickhouse=${clickhouse}&var-tempo=${tempo}"
+        f"/d/{CONVERSATION_UID}/otelkv-conversation?var-{CONVERSATION_VAR}={percentencoded(conversation)}"
+        f"&{TIME_RANGE}&var-clickhouse={percentencoded('${clickhouse}')}"
+        f"&var-tempo={percentencoded('${tempo}')}"
     )
 
 
 def trace_url(trace_id: str) -> str:
-    """Tempo in Explore, opened on one trace (``trace_id`` is a data-link expression)."""
-    pane = (
-        '{"trace":{"datasource":"${tempo}","queries":[{"refId":"A",'
-        '"datasource":{"type":"tempo","uid":"${tempo}"},"queryType":"traceql",'
-        f'"query":"{trace_id}"}}],"range":{{"from":"${{__from}}","to":"${{__to}}"}}}}}}'
+    """Tempo in Explore, opened on one trace (``trace_id`` is a data-link expression).
+
+    The ``panes`` parameter is JSON, percent-encoded as Grafana encodes it itself; the
+    variables inside it are percent-encoded by Grafana when it fills them in.
+    """
+    slots = {"TEMPOUID": "${tempo}", "TRACEID": trace_id}
+    pane = json.dumps(
+        {
+            "trace": {
+                "datasource": "TEMPOUID",
+                "queries": [
+                    {
+                        "refId": "A",
+                        "datasource": {"type": "tempo", "uid": "TEMPOUID"},
+                        "queryType": "traceql",
+                        "query": "TRACEID",
+                    }
+                ],
+                "range": {"from": "FROMMS", "to": "TOMS"},
+            }
+        },
+        separators=(",", ":"),
     )
-    return f"/explore?schemaVersion=1&panes={pane}"
+    encoded = quote(pane, safe="")
+    for slot, variable in slots.items():
+        encoded = encoded.replace(slot, percentencoded(variable))
+    encoded = encoded.replace("FROMMS", "${__from}").replace("TOMS", "${__to}")
+    return f"/explore?schemaVersion=1&panes={encoded}"

@@ -6,7 +6,9 @@ pull-or-recompute decision and its reason, the KV read over NIXL, the blocks kep
 next turn and how those retentions ended. The gap-against-TTL panels join turn spans with
 the previous turn's retention span in the trace store (the configured TTL is a span
 attribute, not a metric). The failure panels count requests that did not finish, on the
-engines and at the sidecar.
+engines and at the sidecar. What reuse is worth (prefill seconds saved by pulls) is the
+sidecar's ``otelkv_trace_pull_prefill_seconds_total``, priced from the engine spans it
+receives, shown beside what keeping the KV costs.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard
 
 from otelkv import names
-from otelkv.dashboards import frame, vllm_metrics
+from otelkv.dashboards import frame, funnel_panel, vllm_metrics
 from otelkv.dashboards import promql as q
 from otelkv.dashboards import sql as s
 from otelkv.dashboards.panels import (
@@ -124,7 +126,7 @@ def ttl_expiries_total() -> PanelBuilder:
         "Turns whose KV the decode node freed unread because decoder_kv_blocks_ttl ran out "
         "(over the range). Each one is a later turn that recomputes its whole prompt.",
         COUNT,
-        prom(q.sum_by((), q.increase(_expiries()))),
+        prom(q.count_over(q.sum_by((), q.increase(_expiries())))),
         ANY_IS_NOTABLE,
         decimals=0,
     )
@@ -148,7 +150,7 @@ def failed_total() -> PanelBuilder:
         "Engine requests that failed loading KV, got stuck waiting for remote KV, or errored "
         "(over the range).",
         COUNT,
-        prom(q.sum_by((), q.increase(_not_finished()))),
+        prom(q.count_over(q.sum_by((), q.increase(_not_finished())))),
         ANY_IS_BAD,
         decimals=0,
     )
@@ -191,7 +193,8 @@ def decisions_over_range() -> PanelBuilder:
         "Pull decisions by reason (over the range)",
         "How many prefill requests ended with each reason, whole range.",
         COUNT,
-        [prom(q.sum_by((q.REASON,), q.increase(_decisions())), "{{reason}}", instant=True)],
+        [prom(q.count_over(q.sum_by((q.REASON,), q.increase(_decisions()))), "{{reason}}", instant=True)],
+        decimals=0,
     )
 
 
@@ -327,7 +330,7 @@ def kv_cache_usage() -> PanelBuilder:
         "How full each engine's KV cache is; retained blocks count against it.",
         PERCENT,
         [prom(q.sum_by((q.INSTANCE,), q.sel(vllm_metrics.KV_CACHE_USAGE, E)), "{{instance}}")],
-        width=8,
+        width=6,
         limits=thresholds((None, "green"), (0.8, "yellow"), (0.95, "red")),
     )
 
@@ -345,7 +348,7 @@ def retentions_by_outcome() -> PanelBuilder:
                 "{{kind}} {{outcome}}",
             )
         ],
-        width=8,
+        width=6,
         stack=True,
         bars=True,
     )
@@ -364,7 +367,40 @@ def retention_cost() -> PanelBuilder:
                 "{{kind}}",
             )
         ],
-        width=8,
+        width=6,
+    )
+
+
+def prefill_seconds_saved() -> PanelBuilder:
+    series = q.sel(q.counter(names.METRIC_TRACE_PULL_PREFILL_SECONDS), q.SIDECAR_FILTERS)
+
+    def part(name: str) -> str:
+        return q.sum_by(
+            (),
+            q.rate(
+                q.sel(
+                    q.counter(names.METRIC_TRACE_PULL_PREFILL_SECONDS), q.SIDECAR_FILTERS, q.eq(q.PART, name)
+                )
+            ),
+        )
+
+    return timeseries_panel(
+        24,
+        "Prefill seconds saved by pulls",
+        "What reuse is worth, beside what keeping the KV costs: prefill compute seconds per "
+        "second that pulls saved (net: pulled tokens x the prefill node's measured seconds per "
+        "computed token, minus the pulls' own wait for the KV), with both parts. Counted by the "
+        "sidecar from the engine spans it receives (docs/telemetry.md gives the formula).",
+        SECONDS,
+        [
+            prom(
+                f"{part(names.PULL_PART_RECOMPUTE_AVOIDED)} - {part(names.PULL_PART_WAIT)}",
+                "saved (net)",
+                "A",
+            ),
+            prom(q.sum_by((q.PART,), q.rate(series)), "{{part}}", "B"),
+        ],
+        width=6,
     )
 
 
@@ -691,6 +727,8 @@ def build() -> dashboard.Dashboard:
         .with_panel(ttl_expiries_total())
         .with_panel(retained_bytes_now())
         .with_panel(failed_total())
+        .with_row(frame.row(70, "Reuse funnel: how often the opportunity occurs, and what it is worth"))
+        .with_panel(funnel_panel.reuse_funnel(71))
         .with_row(frame.row(8, "Where prompt KV comes from"))
         .with_panel(tokens_by_source())
         .with_panel(decisions_by_reason())
@@ -710,6 +748,7 @@ def build() -> dashboard.Dashboard:
         .with_panel(kv_cache_usage())
         .with_panel(retentions_by_outcome())
         .with_panel(retention_cost())
+        .with_panel(prefill_seconds_saved())
         .with_row(frame.row(25, "Inter-turn gap against the TTL"))
         .with_panel(gap_cdf())
         .with_panel(gap_vs_ttl())

@@ -25,7 +25,7 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from otelkv.dashboards.sources import CLICKHOUSE, PROMETHEUS
+from otelkv.dashboards.sources import CLICKHOUSE, PROMETHEUS, Datasource
 
 HEIGHT = 8
 STAT_HEIGHT = 4
@@ -146,14 +146,15 @@ def stat_panel(
     width: int = 4,
     reducer: str = "lastNotNull",
     decimals: float | None = None,
+    source: Datasource = PROMETHEUS,
 ) -> stat.Panel:
-    """One number, coloured by ``limits``, with a sparkline."""
+    """One number, coloured by ``limits``, with a sparkline (``source``: where it is read)."""
     panel = (
         stat.Panel()
         .id(panel_id)
         .title(title)
         .description(description)
-        .datasource(PROMETHEUS.ref())
+        .datasource(source.ref())
         .unit(unit)
         .span(width)
         .height(STAT_HEIGHT)
@@ -178,8 +179,10 @@ def bargauge_panel(
     width: int = 12,
     height: int = HEIGHT,
     limits: dashboard_b.ThresholdsConfig | None = None,
+    decimals: float | None = None,
 ) -> bargauge.Panel:
-    """Horizontal bars, one per series, each showing the series' last value."""
+    """Horizontal bars, one per series, each showing the series' last value (counts of
+    events: ``decimals=0``)."""
     panel = (
         bargauge.Panel()
         .id(panel_id)
@@ -195,6 +198,8 @@ def bargauge_panel(
         .thresholds(limits or NEUTRAL)
         .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     )
+    if decimals is not None:
+        panel = panel.decimals(decimals)
     for target in targets:
         panel = panel.with_target(target)
     return panel

@@ -24,12 +24,14 @@ RANGE_WINDOW = "$__range"
 """The dashboard's whole time range (for "over the range" totals in stats and bar gauges)."""
 
 # Label names: vLLM's and Prometheus' own, then otelkv's (from the metric table in names).
-MODEL_NAME = "model_name"
-"""vLLM's label for the served model on every engine series (otelkv's included)."""
+MODEL_NAME = names.LABEL_MODEL
+"""vLLM's label for the served model on every engine series (otelkv's included), and the
+sidecar's for the requested model: one name, so one selector filters both."""
 INSTANCE = "instance"
 """The scrape target Prometheus attaches: one per engine (``host:port``)."""
 LE = "le"
-MODEL = names.LABEL_MODEL
+MODEL = MODEL_NAME
+PART = names.LABEL_PART
 PHASE = names.LABEL_PHASE
 TURN_INDEX = names.LABEL_TURN_INDEX
 SOURCE = names.LABEL_SOURCE
@@ -93,6 +95,12 @@ def rate(series: str, window: str = RATE_WINDOW) -> str:
 
 def increase(series: str, window: str = RANGE_WINDOW) -> str:
     return f"increase({series}[{window}])"
+
+
+def count_over(expr: str) -> str:
+    """A count of events over a window as a whole number: ``increase()`` extrapolates to the
+    window's edges (3 events can read 3.2), and a count of events has no fractions."""
+    return f"round({expr})"
 
 
 def sum_by(labels: Sequence[str], expr: str) -> str:

@@ -532,7 +532,14 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
             return inner
         if not settings.enabled:
             return inner
-        return OtelKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, inner)
+        return OtelKVPromMetrics(
+            vllm_config,
+            metric_types,
+            labelnames,
+            per_engine_labelvalues,
+            inner,
+            backend=settings.backend_label,
+        )
 
 
 # Generic wrappers learn their inner class from the config in build_prom_metrics (the

@@ -5,6 +5,10 @@ vLLM builds connector metrics in the API-server process through the connector cl
 composite: the inner connector's own metrics object (so ``vllm:nixl_*`` keep working
 exactly as before) plus otelkv's metrics, created with vLLM's metric classes and label
 set (``model_name``, ``engine``) so multiprocess mode and label conventions match.
+
+Every counter series whose label values are known when the API server starts is created at 0
+for each engine (:func:`known_series`): ``increase()`` needs a sample before the first event,
+or the first expiry or failed read after a start would not show.
 """
 
 from __future__ import annotations
@@ -23,6 +27,28 @@ METRICS: dict[str, names.Metric] = {m.name: m for m in names.ENGINE_METRICS}
 """The metrics this module creates, from :data:`otelkv.names.ENGINE_METRICS`."""
 
 
+def known_series(backend: str | None) -> list[tuple[str, tuple[str, ...]]]:
+    """The counter series (metric, otelkv label values) an engine with this NIXL ``backend``
+    label can report, all from closed vocabularies (None: no backend-labelled series). Every
+    role: a ``kv_both`` engine is prefill or decode request by request."""
+    roles = names.ROLES
+    out: list[tuple[str, tuple[str, ...]]] = []
+    out += [(names.METRIC_PULL_DECISIONS, pair) for pair in names.PULL_DECISION_REASONS]
+    out += [(names.METRIC_PREFILL_TOKENS, (r, src)) for r in roles for src in names.TOKEN_SOURCES]
+    out += [
+        (names.METRIC_RETENTIONS, (k, o)) for k in names.RETENTION_KINDS for o in names.RETENTION_OUTCOMES
+    ]
+    out += [(names.METRIC_RETENTION_BLOCK_SECONDS, (k,)) for k in names.RETENTION_KINDS]
+    out += [(names.METRIC_REQUESTS, (r, o)) for r in roles for o in names.REQUEST_OUTCOMES]
+    out += [(names.METRIC_BODY_TRACE_CONTEXT, (o,)) for o in names.BODY_CONTEXT_OUTCOMES]
+    out += [(names.METRIC_CONTINUITY_TOKENS, (o,)) for o in names.CONTINUITY_OUTCOMES]
+    if backend:
+        for direction in names.DIRECTIONS:
+            out += [(names.METRIC_TRANSFERS, (direction, backend, o)) for o in names.TRANSFER_OUTCOMES]
+            out.append((names.METRIC_TRANSFER_BYTES, (direction, backend)))
+    return out
+
+
 class OtelKVPromMetrics(KVConnectorPromMetrics):
     """Composite: the inner connector's Prometheus metrics plus otelkv's."""
 
@@ -33,6 +59,8 @@ class OtelKVPromMetrics(KVConnectorPromMetrics):
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
         inner: KVConnectorPromMetrics | None,
+        *,
+        backend: str | None = None,
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.inner = inner
@@ -52,6 +80,12 @@ class OtelKVPromMetrics(KVConnectorPromMetrics):
                     name=spec.name, documentation=spec.help, labelnames=labels, buckets=list(spec.buckets)
                 )
             self._metrics[spec.name] = metric
+        try:
+            for engine_idx in self.per_engine_labelvalues:
+                for name, labels in known_series(backend):
+                    self._child(name, engine_idx, labels)
+        except Exception:  # a missing zero series must never stop vLLM's start
+            logger.warning("otelkv: could not create the metrics' zero series", exc_info=True)
 
     def _child(self, name: str, engine_idx: int, labels: tuple[str, ...]) -> Any:
         key = (name, engine_idx, labels)

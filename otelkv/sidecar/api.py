@@ -66,13 +66,14 @@ class QueryApi:
             web.get("/api/v1/tune", self.tune),
             web.get("/api/v1/doctor", self.doctor),
             web.post("/api/v1/doctor", self.doctor),
+            web.get("/api/v1/funnel", self.funnel),
         ]
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "store": self.describe})
 
     async def _run(self, fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> web.Response:
-        from otelkv.analysis.report import NotFound
+        from otelkv.analysis.report import BadRef, NotFound
         from otelkv.store.base import StoreError
 
         if self.source is None:
@@ -83,6 +84,8 @@ class QueryApi:
             )
         except NotFound as exc:
             return web.json_response({"error": str(exc)}, status=404)
+        except BadRef as exc:  # a malformed or ambiguous reference: the caller's input
+            return web.json_response({"error": str(exc)}, status=400)
         except StoreError as exc:
             # The store is down (closed, disk gone): say so; a traceback per query says no more.
             logger.warning("otelkv sidecar: query failed: %s", exc)
@@ -125,6 +128,16 @@ class QueryApi:
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         return await self._run(tune, since_ns=since, until_ns=until, options=options)
+
+    async def funnel(self, request: web.Request) -> web.Response:
+        from otelkv.analysis.funnel import funnel
+
+        try:
+            since = _opt_int(request.query.get("since_ns"))
+            until = _opt_int(request.query.get("until_ns"))
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return await self._run(funnel, since_ns=since, until_ns=until)
 
     async def doctor(self, request: web.Request) -> web.Response:
         """GET: the window of the query string and the sidecar's own ``--engine`` probes. POST

@@ -192,10 +192,12 @@ class Sidecar:
     def _proxy_counters(self, counters: dict[str, int]) -> None:
         if counters.get("upstream_errors"):
             self.metrics.upstream_errors.inc(counters["upstream_errors"])
-        if counters.get("requests_refused"):
-            self.metrics.requests_refused.inc(counters["requests_refused"])
+        for key, count in counters.items():
+            kind, _, reason = key.partition(":")
+            if kind == "requests_refused" and count and reason in names.REQUEST_REFUSED_REASONS:
+                self.metrics.requests_refused.labels(reason).inc(count)
         if counters.get("turns_dropped"):
-            self.metrics.dropped.labels("proxy_channel_full").inc(counters["turns_dropped"])
+            self.metrics.dropped.labels(names.DROP_PROXY_CHANNEL_FULL).inc(counters["turns_dropped"])
         if counters.get("continuity_errors"):
             self.metrics.continuity_errors.inc(counters["continuity_errors"])
 
@@ -218,6 +220,7 @@ class Sidecar:
         # Counts reflect every response already sent: fetch the proxy's finished turns first.
         if self._proxy_started:
             await asyncio.get_running_loop().run_in_executor(None, self.proxy.sync, 2.0)
+        self.metrics.expire_tasks()
         if self.writer is not None:
             self.metrics.store_queue.set(self.writer.stats().get("queued", 0))
         return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")

@@ -1,23 +1,39 @@
-"""The sidecar's Prometheus metrics: turn phases, TTFT by turn index, and fleet-wide KV
-reuse counted from the engine spans it receives.
+"""The sidecar's Prometheus metrics: turn phases, TTFT by turn index, task time, and
+fleet-wide KV reuse counted from the engine spans it receives.
 
 Its own registry (not the process-global one) so several sidecars in one process (tests)
 do not collide. Label values come only from closed vocabularies; the model name is the
 one exception and is capped to the first :data:`MAX_MODELS` seen (then ``other``).
 Conversation ids never become labels.
+
+Every counter whose label values are known up front starts at 0 for each of them, and a
+model's counters and histograms (task time, phases) start at 0 when the model is first seen:
+``increase()`` needs a sample before the first event to count it, or the first expiry, drop,
+refusal or finished conversation after a start is invisible.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from otelkv import names
 from otelkv.analysis.phases import Phases
+from otelkv.sidecar.tasks import FinishedTask, TaskClock
 from otelkv.spans import SpanRecord, attr_float, attr_str, is_prefill_request, is_retention, is_transfer
 
 MAX_MODELS = 32
+MAX_ENGINES = 256
+"""Engines whose compute rate is remembered (the rest share one entry)."""
+RATE_WINDOW = 64
+"""Recent prefill requests per engine whose seconds per computed token are kept."""
+MIN_COMPUTED_TOKENS = 16
+"""Prefills that computed fewer tokens are not measured: fixed per-request overhead dominates
+(the same rule as ``otelkv.analysis.model.per_token_compute_s``)."""
 
 
 def _create(spec: names.Metric, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
@@ -51,20 +67,74 @@ class SidecarMetrics:
         self.forward_dropped = m[names.METRIC_SIDECAR_FORWARD_DROPPED]
         self.store_queue = m[names.METRIC_SIDECAR_STORE_QUEUE]
         self.continuity_errors = m[names.METRIC_SIDECAR_CONTINUITY_ERRORS]
+        self.conversation = m[names.METRIC_CONVERSATION_SECONDS]
+        self.pull_seconds = m[names.METRIC_TRACE_PULL_PREFILL_SECONDS]
+        self.tasks = TaskClock()
         self._models: set[str] = set()
+        self._rates: dict[str, deque[float]] = {}
+        self._rates_lock = threading.Lock()
+        """Spans arrive on the OTLP receiver's thread and the proxy channel's."""
+        self._initialise()
+
+    def _initialise(self) -> None:
+        """Every series with known label values, at 0 (see the module docstring)."""
+        for source in names.TOKEN_SOURCES:
+            self.prefill_tokens.labels(source)
+        for decision, reason in names.PULL_DECISION_REASONS:
+            self.decisions.labels(decision, reason)
+        for kind in names.RETENTION_KINDS:
+            for outcome in names.RETENTION_OUTCOMES:
+                self.retentions.labels(kind, outcome)
+        for source in names.SPAN_SOURCES:
+            self.received.labels(source)
+        for reason in names.STORE_DROP_REASONS:
+            self.dropped.labels(reason)
+        for reason in names.FORWARD_DROP_REASONS:
+            self.forward_dropped.labels(reason)
+        for reason in names.OTLP_REJECTED_REASONS:
+            self.otlp_rejected.labels(reason)
+        for reason in names.REQUEST_REFUSED_REASONS:
+            self.requests_refused.labels(reason)
 
     def model_label(self, model: str) -> str:
         if model in self._models:
             return model
         if len(self._models) < MAX_MODELS and model:
             self._models.add(model)
+            self._initialise_model(model)
             return model
+        if "other" not in self._models:
+            self._models.add("other")
+            self._initialise_model("other")
         return "other"
 
+    def _initialise_model(self, label: str) -> None:
+        for status in names.TURN_STATUSES:
+            for stream in ("true", "false"):
+                self.turns.labels(label, status, stream)
+        for part in names.PULL_PARTS:
+            self.pull_seconds.labels(part, label)
+        for phase in names.PHASES:
+            self.phase.labels(phase, label)
+        self.conversation.labels(label)  # conversations end long after their model's first turn
+
     def observe_turn(
-        self, *, model: str, phases: Phases, ttft_s: float | None, turn_index: int, ok: bool, stream: bool
+        self,
+        *,
+        model: str,
+        phases: Phases,
+        ttft_s: float | None,
+        turn_index: int,
+        ok: bool,
+        stream: bool,
+        conversation_id: str | None = None,
+        start_ns: int = 0,
+        end_ns: int = 0,
     ) -> None:
+        """One finished turn; with a conversation id it also extends that conversation's task."""
         label = self.model_label(model)
+        if conversation_id:
+            self._observe_tasks(self.tasks.turn(conversation_id, label, start_ns, end_ns))
         for phase, seconds in phases.as_dict().items():
             self.phase.labels(phase, label).observe(seconds)
         if ttft_s is not None:
@@ -75,8 +145,22 @@ class SidecarMetrics:
             label, names.TURN_STATUS_OK if ok else names.TURN_STATUS_ERROR, "true" if stream else "false"
         ).inc()
 
+    def expire_tasks(self, now_ns: int | None = None) -> None:
+        """Observe the task time of conversations idle longer than the task clock's idle time."""
+        self._observe_tasks(self.tasks.expire(time.time_ns() if now_ns is None else now_ns))
+
+    def _observe_tasks(self, finished: list[FinishedTask]) -> None:
+        for task in finished:
+            self.conversation.labels(task.model).observe(task.seconds)
+
     def observe_spans(self, spans: Iterable[SpanRecord]) -> None:
         """Count fleet-wide KV reuse from engine spans as they arrive (vocabulary-checked)."""
+        spans = list(spans)
+        prefills = [span for span in spans if is_prefill_request(span)]
+        for span in prefills:  # this batch's compute rates first: they price its pulls
+            self._measure_compute(span)
+        for span in prefills:
+            self._price_pull(span)
         for span in spans:
             a = span.attributes
             if is_prefill_request(span):
@@ -103,5 +187,53 @@ class SidecarMetrics:
                 if kind in names.RETENTION_KINDS and outcome in names.RETENTION_OUTCOMES:
                     self.retentions.labels(kind, outcome).inc()
 
+    def _measure_compute(self, span: SpanRecord) -> None:
+        """Seconds per computed prompt token of one finished prefill request: its span's
+        duration minus its wait for remote KV, over the tokens it computed."""
+        a = span.attributes
+        computed = attr_float(a, names.TOKENS_COMPUTED)
+        if computed < MIN_COMPUTED_TOKENS or attr_str(a, names.REQUEST_OUTCOME) != names.OUTCOME_FINISHED:
+            return
+        compute_s = (span.end_ns - span.start_ns) / 1e9 - max(
+            attr_float(a, names.REMOTE_KV_WAIT_SECONDS), 0.0
+        )
+        if compute_s <= 0:
+            return
+        engine = _engine(span)
+        with self._rates_lock:
+            rates = self._rates.get(engine)
+            if rates is None:
+                if len(self._rates) >= MAX_ENGINES:
+                    engine = ""
+                rates = self._rates.setdefault(engine, deque(maxlen=RATE_WINDOW))
+            rates.append(compute_s / computed)
+
+    def _price_pull(self, span: SpanRecord) -> None:
+        """A finished pull's two parts: the recompute it avoided (pulled tokens times the
+        engine's fastest recent seconds per computed token) and its own wait for the KV."""
+        a = span.attributes
+        pulled = attr_float(a, names.TOKENS_PULLED)
+        if (
+            pulled <= 0
+            or attr_str(a, names.PULL_DECISION) != names.DECISION_PULL
+            or attr_str(a, names.REQUEST_OUTCOME) != names.OUTCOME_FINISHED
+        ):
+            return
+        engine = _engine(span)
+        with self._rates_lock:
+            rates = self._rates.get(engine if engine in self._rates else "")
+            rate = min(rates) if rates else None
+        if rate is None:
+            return  # no measured prefill on this engine yet: no honest price
+        label = self.model_label(attr_str(a, names.GEN_AI_REQUEST_MODEL) or "unknown")
+        self.pull_seconds.labels(names.PULL_PART_RECOMPUTE_AVOIDED, label).inc(pulled * rate)
+        wait = max(attr_float(a, names.REMOTE_KV_WAIT_SECONDS), 0.0)
+        if wait > 0:
+            self.pull_seconds.labels(names.PULL_PART_WAIT, label).inc(wait)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _engine(span: SpanRecord) -> str:
+    return str(span.resource.get(names.ENGINE_ID, "") or "")

@@ -14,6 +14,7 @@ import logging
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from otelkv import names
 from otelkv.sidecar.metrics import SidecarMetrics
 from otelkv.sidecar.otlp import OtlpDecodeError, decode_traces
 from otelkv.sidecar.pipeline import SpanPipeline
@@ -22,6 +23,12 @@ logger = logging.getLogger("otelkv.sidecar")
 
 MAX_OTLP_BODY_BYTES = 32 * 1024 * 1024
 _PROTOBUF_OK = ExportTraceServiceResponse().SerializeToString()
+_REJECTED_REASONS = {
+    400: names.REFUSED_MALFORMED,
+    413: names.REFUSED_TOO_LARGE,
+    415: names.REFUSED_MEDIA_TYPE,
+}
+"""The status of a refused export and its ``reason`` label."""
 
 
 class OtlpReceiver:
@@ -34,12 +41,14 @@ class OtlpReceiver:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.metrics.otlp_rejected.inc()
+            self.metrics.otlp_rejected.labels(names.REFUSED_TOO_LARGE).inc()
             return web.Response(status=413, text=f"OTLP export over {MAX_OTLP_BODY_BYTES} bytes\n")
         try:
             spans = decode_traces(body, ctype, request.headers.get("Content-Encoding"))
         except OtlpDecodeError as exc:
-            self.metrics.otlp_rejected.inc()
+            self.metrics.otlp_rejected.labels(
+                _REJECTED_REASONS.get(exc.status, names.REFUSED_MALFORMED)
+            ).inc()
             return web.Response(status=exc.status, text=f"{exc}\n")
         self.pipeline.accept(spans, "otlp")
         if (ctype or "").startswith("application/json"):

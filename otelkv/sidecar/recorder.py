@@ -69,6 +69,7 @@ class TurnRecorder:
                 logger.exception("otelkv sidecar: could not build a turn span")
         if spans:
             self.accept(spans)
+        self.metrics.expire_tasks()
 
     def gap(self, rec: TurnRecord) -> Any:
         start = rec.start
@@ -167,6 +168,9 @@ class TurnRecorder:
             turn_index=rec.start.index if rec.start else 0,
             ok=ok,
             stream=rec.request.stream,
+            conversation_id=rec.identity.conversation_id if rec.identity is not None else None,
+            start_ns=rec.arrival_ns,
+            end_ns=rec.end_ns,
         )
         return SpanRecord(
             trace_id=rec.trace_id,

@@ -303,7 +303,7 @@ def test_sidecar_metrics_count_turns_and_kv_reuse(fleet: Fleet, results: dict[st
     assert fleet.sidecar is not None
     turn_span(fleet, results["conv-agent"][2].trace_id)
     text = urllib.request.urlopen(f"{fleet.sidecar.admin_url}/metrics", timeout=10).read().decode()
-    assert 'otelkv_turn_phase_seconds_count{model="tiny-llama",phase="tool_wait"}' in text
+    assert 'otelkv_turn_phase_seconds_count{model_name="tiny-llama",phase="tool_wait"}' in text
     assert 'otelkv_trace_pull_decisions_total{decision="pull",reason="pulled"}' in text
     assert "otelkv_trace_kv_transfer_bytes_total" in text
     assert "conv-agent" not in text  # conversation ids never become labels

@@ -36,6 +36,11 @@ class Exposition:
         found = [v for n, lab, v in self.samples if n == name and lab == want]
         return found[0] if found else None
 
+    def total(self, name: str) -> float:
+        """The sum of every sample of ``name``: 0 when nothing was counted (label sets are
+        exposed at 0 from the start, so absence is no longer how "not counted" shows)."""
+        return sum(v for n, _, v in self.samples if n == name)
+
     def names(self) -> set[str]:
         """Every sample name scraped, zero or not."""
         return {n for n, _, _ in self.samples}

@@ -210,9 +210,16 @@ def post(sc: Sidecar, body: bytes, ctype: str | None, encoding: str | None = Non
         conn.close()
 
 
-def rejected(sc: Sidecar) -> float:
-    value = sc.metrics.registry.get_sample_value(names.METRIC_SIDECAR_OTLP_REJECTED + "_total")
-    return value or 0.0
+REJECTED_REASON = {400: "malformed", 413: "too_large", 415: "media_type"}
+"""The ``reason`` label docs/telemetry.md gives each status an export is refused with."""
+
+
+def rejected(sc: Sidecar) -> dict[str, float]:
+    metric = names.METRIC_SIDECAR_OTLP_REJECTED + "_total"
+    return {
+        reason: sc.metrics.registry.get_sample_value(metric, {"reason": reason}) or 0.0
+        for reason in REJECTED_REASON.values()
+    }
 
 
 def test_corpus_is_large_and_ids_are_unique() -> None:
@@ -227,13 +234,15 @@ def test_bad_export_is_refused_counted_and_stores_nothing(bad: Case, sidecar: tu
     status, ctype, text = post(sc, bad.body(), bad.ctype, bad.encoding)
     assert status == bad.status, text[:300]
     assert ctype.startswith("text/plain") and bad.message in text.decode(), text[:300]
-    assert rejected(sc) == before + 1
+    reason = REJECTED_REASON[bad.status]
+    after = {**before, reason: before[reason] + 1}
+    assert rejected(sc) == after
     assert len(taps.spans) == accepted, "a refused export was (partly) accepted"
     # The receiver still takes a valid export, in both encodings.
     assert post(sc, VALID_PROTO, PROTO)[0] == 200
     assert post(sc, json_export(), JSON)[:3:2] == (200, b"{}")
     assert [s.span_id for s in taps.spans[accepted:]] == [SPAN, SPAN]
-    assert rejected(sc) == before + 1
+    assert rejected(sc) == after
 
 
 def test_giant_attribute_value_within_the_body_cap_is_kept_whole(sidecar: tuple[Sidecar, Taps]) -> None:

@@ -453,10 +453,23 @@ def assert_forwarded(got: bytes, sent: bytes) -> None:
     assert forwarded == json.loads(sent)
 
 
-def refusals(sc: Sidecar) -> float:
+REFUSED_REASON = {
+    400: "malformed",
+    413: "too_large",
+    431: "headers_too_large",
+    501: "upgrade",
+    505: "http_version",
+}
+"""The ``reason`` label docs/telemetry.md gives each status the proxy refuses with."""
+
+
+def refusals(sc: Sidecar) -> dict[str, float]:
     sc.flush()  # the proxy process hands over its counters with its turns
-    value = sc.metrics.registry.get_sample_value(names.METRIC_SIDECAR_REQUESTS_REFUSED + "_total")
-    return value or 0.0
+    metric = names.METRIC_SIDECAR_REQUESTS_REFUSED + "_total"
+    return {
+        reason: sc.metrics.registry.get_sample_value(metric, {"reason": reason}) or 0.0
+        for reason in REFUSED_REASON.values()
+    }
 
 
 def still_serves(sc: Sidecar, taps: Taps, upstream: RawUpstream, case_id: str) -> None:
@@ -491,7 +504,8 @@ def test_bad_input_gets_an_error_or_passes_through(
         assert reply.split(b"\r\n\r\n", 1)[0].lower().count(b"content-type: application/json") == 1
         assert json.loads(body_of(reply))["error"]["message"]
         assert len(upstream.received) == before_received, "a refused request reached the upstream"
-        assert refusals(sc) == before_refused + 1
+        reason = REFUSED_REASON[case.status]
+        assert refusals(sc) == {**before_refused, reason: before_refused[reason] + 1}
     elif case.kind == "passed":
         assert len(upstream.received) == before_received + 1
         got = upstream.received[-1]

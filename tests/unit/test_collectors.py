@@ -530,7 +530,7 @@ def exporters() -> Iterator[dict[str, ThreadingHTTPServer]]:
     servers = {
         "prefill": _serve(engine),
         "no_engine_id": _serve(engine),
-        "sidecar": _serve('otelkv_turns_total{model="tiny",status="ok",stream="false"} 2\n'),
+        "sidecar": _serve('otelkv_turns_total{model_name="tiny",status="ok",stream="false"} 2\n'),
         "spans": _serve(
             'traces_span_metrics_calls_total{gen_ai_request_model="tiny",otelkv_role="prefill",'
             'span_name="kv_request prefill",service_name="vllm-prefill"} 5\n'
@@ -636,7 +636,7 @@ def test_prometheus_relabeling_gives_the_dashboards_their_labels(
     requests = {m["instance"]: m for m in series["requests"]}
     assert requests[prefill_addr]["role"] == "decode" and requests[prefill_addr]["engine_id"] == "p-0"
     assert not any("exported_role" in m for m in series["requests"])
-    assert series["sidecar"][0]["model_name"] == "tiny" and series["sidecar"][0]["model"] == "tiny"
+    assert series["sidecar"][0]["model_name"] == "tiny" and "model" not in series["sidecar"][0]
     assert series["spans"][0]["model_name"] == "tiny" and series["spans"][0]["role"] == "prefill"
 
 

@@ -8,6 +8,8 @@ and a round trip through grafana-foundation-sdk's own dashboard model.
 from __future__ import annotations
 
 import json
+import re
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +134,42 @@ def test_slowest_turns_link_to_traces_and_conversations() -> None:
         for o in table["fieldConfig"]["overrides"]
     }
     assert any(
-        "/explore?" in url and "${__value.raw}" in url and "${tempo}" in url for url in links["trace_id"]
+        "/explore?" in url and "${__value.raw:percentencode}" in url and "${tempo:percentencode}" in url
+        for url in links["trace_id"]
     )
     assert any(url.startswith("/d/otelkv-conversation/") for url in links["conversation"])
     explore = links["trace_id"][0]
-    json.loads(explore.split("panes=", 1)[1])  # the pane is valid JSON once Grafana fills it in
+    # Grafana fills the variables in (percent-encoded), the browser decodes the parameter: the
+    # pane is then valid JSON naming the trace, even for a value with URL syntax in it (a trace
+    # id is hex; percentencode does not JSON-escape, so a quote would still end the string).
+    hostile = "a&b%c d#e+f"
+    filled = (
+        explore.replace("${__value.raw:percentencode}", urllib.parse.quote(hostile, safe=""))
+        .replace("${tempo:percentencode}", "tempo")
+        .replace("${__from}", "1")
+        .replace("${__to}", "2")
+    )
+    pane = urllib.parse.parse_qs(urllib.parse.urlsplit(filled).query)["panes"][0]
+    assert json.loads(pane)["trace"]["queries"][0]["query"] == hostile
+    conversation = links["conversation"][0].replace(
+        "${__data.fields.conversation:percentencode}", urllib.parse.quote("id with &var-x=1#", safe="")
+    )
+    assert urllib.parse.parse_qs(urllib.parse.urlsplit(conversation).query)["var-conversation"] == [
+        "id with &var-x=1#"
+    ]
+
+
+def test_every_link_variable_is_percent_encoded() -> None:
+    """Data links carry ids into URLs: every variable in them is percent-encoded, except
+    Grafana's own time range (already a query string) and the epoch milliseconds."""
+    plain = {"${__url_time_range}", "${__from}", "${__to}"}
+    found = 0
+    for board in BOARDS.values():
+        for url in re.findall(r'"url": "([^"]*)"', json.dumps(board)):
+            found += 1
+            for variable in re.findall(r"\$\{[^}]*\}", url):
+                assert variable in plain or variable.endswith(":percentencode}"), (url, variable)
+    assert found >= 5
 
 
 def test_provisioning_files() -> None:
@@ -210,3 +243,50 @@ def test_the_compose_stacks_datasources_keep_the_dashboards_uids() -> None:
     assert files, f"no datasource provisioning in {path}"
     provisioned = {d["uid"]: d["type"] for f in files for d in yaml.safe_load(f.read_text())["datasources"]}
     assert provisioned == {s.uid: s.type for s in SOURCES}
+
+
+def test_each_phase_has_one_colour_on_every_panel_that_draws_it() -> None:
+    """A panel draws phases when a query's legend is ``{{phase}}`` or its SQL names a column
+    after a phase; each such panel fixes all four colours, and a phase's colour is the same on
+    every panel of every dashboard, and differs from the other phases'."""
+    phases = ("input_processing", "generation", "tool_wait", "app_work")
+    seen: dict[str, set[str]] = {p: set() for p in phases}
+    drawing = 0
+    for board in BOARDS.values():
+        for panel in _panels(board):
+            if panel["type"] in ("row", "table"):
+                continue
+            text = json.dumps(panel.get("targets", []))
+            if "{{phase}}" not in text and not any(re.search(rf"AS {p}\b", text) for p in phases):
+                continue
+            drawing += 1
+            colours = {}
+            for override in panel["fieldConfig"]["overrides"]:
+                option = override["matcher"]["options"]
+                for prop in override["properties"]:
+                    if prop["id"] == "color":
+                        phase = next(p for p in phases if option == p or option.endswith(f"{p}$"))
+                        colours[phase] = prop["value"]["fixedColor"]
+            assert set(colours) == set(phases), panel["title"]
+            for phase, colour in colours.items():
+                seen[phase].add(colour)
+    assert drawing >= 4
+    assert all(len(colours) == 1 for colours in seen.values()), seen
+    assert len({next(iter(c)) for c in seen.values()}) == len(phases)
+
+
+def test_counts_over_the_range_are_whole_numbers() -> None:
+    """A stat or bar gauge counting events over the range rounds increase() and shows 0 decimals."""
+    found = 0
+    for board in BOARDS.values():
+        for panel in _panels(board):
+            if panel["type"] not in ("stat", "bargauge"):
+                continue
+            exprs = [t.get("expr", "") for t in panel.get("targets", [])]
+            if panel["fieldConfig"]["defaults"].get("unit") == "short" and any(
+                "increase(" in e and "$__range" in e for e in exprs
+            ):
+                found += 1
+                assert panel["fieldConfig"]["defaults"].get("decimals") == 0, panel["title"]
+                assert all(e.startswith("round(") for e in exprs), panel["title"]
+    assert found >= 3

@@ -137,7 +137,18 @@ def _exported_families() -> dict[str, set[str]]:
         gap_source=names.GAP_SOURCE_AGENT_SPANS,
         ttft_source=names.TTFT_SOURCE_STREAM,
     )
-    sidecar.observe_turn(model="tiny", phases=phases, ttft_s=0.2, turn_index=1, ok=True, stream=True)
+    sidecar.observe_turn(
+        model="tiny",
+        phases=phases,
+        ttft_s=0.2,
+        turn_index=1,
+        ok=True,
+        stream=True,
+        conversation_id="c1",
+        start_ns=1,
+        end_ns=2,
+    )
+    sidecar.expire_tasks(10**19)  # the conversation is long finished: its task time is observed
     sidecar.received.labels("otlp").inc()
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -347,3 +358,50 @@ def test_rate_interval_follows_grafana() -> None:
     assert expand.promql("rate(x[$__rate_interval]) $__range", ctx) == "rate(x[60s]) 3600s"
     ctx = expand.Context(start=NOW - timedelta(hours=1), end=NOW, interval_s=30, scrape_interval_s=1)
     assert expand.promql("rate(x[$__rate_interval])", ctx) == "rate(x[31s])"
+
+
+def test_task_time_is_the_conversations_first_arrival_to_last_end(store: ChdbStore) -> None:
+    """The Conversation dashboard's task time against the turn spans the store was filled with."""
+    turns = [
+        s
+        for s in realistic_spans()
+        if s.scope_name == names.SCOPE_SIDECAR
+        and s.attributes.get(names.GEN_AI_CONVERSATION_ID) == "conv-lapse"
+    ]
+    expected = (max(s.end_ns for s in turns) - min(s.start_ns for s in turns)) / 1e9
+    ctx = contexts("conv-lapse")[1]
+    (row,) = store.query(expand.clickhouse(_panel("Task time").text, ctx))
+    assert len(turns) >= 2 and abs(row["task_s"] - expected) < 1e-6
+    (count,) = store.query(expand.clickhouse(_panel("Turn count").text, ctx))
+    assert count["turns"] == len(turns)
+
+
+BOARD_JSON = {board["uid"]: board for board in (build.to_json(spec.build()) for spec in build.DASHBOARDS)}
+
+
+def test_table_columns_carry_their_units(store: ChdbStore) -> None:
+    """Every seconds column (``*_s``) of a table is shown in ``s``, every bytes column in
+    ``bytes``: the columns are the ones the SQL really returns on chDB."""
+    ctx = contexts("conv-lapse")[0]
+    checked = 0
+    for query in inventory.of_kind(QUERIES, "sql"):
+        if query.panel_id is None:
+            continue
+        panel = next(p for p in BOARD_JSON[query.dashboard]["panels"] if p.get("id") == query.panel_id)
+        if panel["type"] != "table":
+            continue
+        rows = store.query(expand.clickhouse(query.text, ctx))
+        units = {
+            o["matcher"]["options"]: prop["value"]
+            for o in panel["fieldConfig"]["overrides"]
+            for prop in o["properties"]
+            if prop["id"] == "unit"
+        }
+        for column in rows[0] if rows else {}:
+            if column.endswith("_s"):
+                assert units.get(column) == "s", (str(query), column)
+                checked += 1
+            elif column == "bytes" or column.endswith("_bytes"):
+                assert units.get(column) == "bytes", (str(query), column)
+                checked += 1
+    assert checked >= 10

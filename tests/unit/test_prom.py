@@ -88,7 +88,12 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
 
 
 def test_every_metric_name_comes_from_names() -> None:
-    sidecar = ("METRIC_TURN", "METRIC_TRACE_", "METRIC_SIDECAR_")  # the sidecar's own /metrics
+    sidecar = (
+        "METRIC_TURN",
+        "METRIC_CONVERSATION",
+        "METRIC_TRACE_",
+        "METRIC_SIDECAR_",
+    )  # the sidecar's own /metrics
     declared = {v for k, v in vars(names).items() if k.startswith("METRIC_") and not k.startswith(sidecar)}
     assert set(prom.METRICS) == declared
     assert len(prom.METRICS) == 13
@@ -155,7 +160,7 @@ def test_engine_index_selects_label_values(metrics: OtelKVPromMetrics, registry:
     metrics.observe({"otelkv": {"c": {"otelkv_requests|decode|finished": 4}}}, 1)
     labels = {"model_name": "tiny", "engine": "1", "role": "decode", "outcome": "finished"}
     assert registry.get_sample_value("otelkv_requests_total", labels) == 4.0
-    assert registry.get_sample_value("otelkv_requests_total", {**labels, "engine": "0"}) is None
+    assert registry.get_sample_value("otelkv_requests_total", {**labels, "engine": "0"}) == 0.0
 
 
 def test_payload_without_otelkv_key_goes_to_inner_as_is(
@@ -165,7 +170,7 @@ def test_payload_without_otelkv_key_goes_to_inner_as_is(
     metrics.observe(foreign, 1)
     assert inner.calls == [(foreign, 1)]
     assert inner.calls[0][0] is foreign
-    assert "otelkv_pull_decisions_total{" not in prometheus_client.generate_latest(registry).decode()
+    assert value(registry, "otelkv_pull_decisions_total", decision="pull", reason="pulled") == 0.0
 
 
 @pytest.mark.parametrize("inner_data", [None, {}])
@@ -215,4 +220,50 @@ def test_malformed_series_is_logged_not_raised(
         metrics.observe({"otelkv": {"c": {"otelkv_pull_decisions|pull": 1}}}, 0)
     messages = [r.getMessage() for r in caplog.records if r.name == "vllm.otelkv"]
     assert messages == ["otelkv: could not record a metrics payload (logged once)"]
-    assert value(registry, "otelkv_pull_decisions_total", decision="pull", reason="pulled") is None
+    assert value(registry, "otelkv_pull_decisions_total", decision="pull", reason="pulled") == 0.0
+
+
+def test_known_series_start_at_zero_on_every_engine(registry: CollectorRegistry) -> None:
+    """Before any event, each engine already exposes 0 for the series an expiry, a failed read
+    or a failed request will increment, so increase() counts the first one after a start."""
+    OtelKVPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        metric_types(registry),
+        ["model_name", "engine"],
+        {0: ["tiny", "0"], 1: ["tiny", "1"]},
+        None,
+        backend="UCX",
+    )
+    for engine in ("0", "1"):
+        base = {"model_name": "tiny", "engine": engine}
+        assert (
+            registry.get_sample_value(
+                "otelkv_kv_retentions_total", {**base, "kind": "decode_ttl", "outcome": "expired"}
+            )
+            == 0.0
+        )
+        assert (
+            registry.get_sample_value(
+                "otelkv_requests_total", {**base, "role": "prefill", "outcome": "failed_kv_load"}
+            )
+            == 0.0
+        )
+        assert (
+            registry.get_sample_value(
+                "otelkv_kv_transfers_total",
+                {**base, "direction": "D->P", "backend": "UCX", "outcome": "declined_expired"},
+            )
+            == 0.0
+        )
+        assert (
+            registry.get_sample_value(
+                "otelkv_pull_decisions_total", {**base, "decision": "recompute", "reason": "below_threshold"}
+            )
+            == 0.0
+        )
+    text = prometheus_client.generate_latest(registry).decode()
+    # Only reported pairs: a recompute is never "pulled", and no backend but the configured one.
+    assert 'decision="recompute",engine="0",model_name="tiny",reason="pulled"' not in text
+    assert 'backend="LIBFABRIC"' not in text
+    totals = [ln for ln in text.splitlines() if ln.startswith("otelkv_") and "_created{" not in ln]
+    assert totals and all(ln.endswith(" 0.0") for ln in totals)

@@ -82,7 +82,11 @@ def test_out_of_vocabulary_and_bad_values_are_ignored() -> None:
         names.METRIC_TRACE_TRANSFER_BYTES,
         names.METRIC_TRACE_RETENTIONS,
     ):
-        samples = [line for line in text.splitlines() if line.startswith(metric + "_total{")]
+        samples = [
+            line
+            for line in text.splitlines()
+            if line.startswith(metric + "_total{") and not line.endswith(" 0.0")  # zero series
+        ]
         assert samples == [], samples
 
 
@@ -143,15 +147,15 @@ def test_observe_turn_and_exposition_names() -> None:
     m.observe_turn(model="m", phases=phases, ttft_s=0.2, turn_index=5, ok=True, stream=True)
     first = Phases(0.1, 0.0, 0.0, 0.0, names.GAP_SOURCE_NONE, names.TTFT_SOURCE_RESPONSE)
     m.observe_turn(model="m", phases=first, ttft_s=None, turn_index=0, ok=False, stream=False)
-    assert _value(m, names.METRIC_TURN_PHASE_SECONDS + "_sum", phase="tool_wait", model="m") == 3.0
-    assert _value(m, names.METRIC_TURN_TTFT_SECONDS + "_count", turn_index="4-7", model="m") == 1
-    assert _value(m, names.METRIC_TURN_TTFT_SECONDS + "_count", turn_index="0", model="m") == 0
+    assert _value(m, names.METRIC_TURN_PHASE_SECONDS + "_sum", phase="tool_wait", model_name="m") == 3.0
+    assert _value(m, names.METRIC_TURN_TTFT_SECONDS + "_count", turn_index="4-7", model_name="m") == 1
+    assert _value(m, names.METRIC_TURN_TTFT_SECONDS + "_count", turn_index="0", model_name="m") == 0
     assert _value(m, names.METRIC_TURN_GAP_SECONDS + "_sum", source="messages") == 3.5
     assert _value(m, names.METRIC_TURN_GAP_SECONDS + "_count", source="none") == 0
-    assert _value(m, names.METRIC_TURNS + "_total", model="m", status="ok", stream="true") == 1
-    assert _value(m, names.METRIC_TURNS + "_total", model="m", status="error", stream="false") == 1
+    assert _value(m, names.METRIC_TURNS + "_total", model_name="m", status="ok", stream="true") == 1
+    assert _value(m, names.METRIC_TURNS + "_total", model_name="m", status="error", stream="false") == 1
     m.upstream_errors.inc()
-    m.otlp_rejected.inc()
+    m.otlp_rejected.labels(names.REFUSED_MALFORMED).inc()
     m.received.labels("otlp").inc()
     m.dropped.labels("queue_full").inc()
     text = m.exposition().decode()
@@ -179,3 +183,151 @@ def test_separate_registries_do_not_collide() -> None:
     a.upstream_errors.inc()
     assert _value(a, names.METRIC_SIDECAR_UPSTREAM_ERRORS + "_total") == 1
     assert _value(b, names.METRIC_SIDECAR_UPSTREAM_ERRORS + "_total") == 0
+
+
+def test_known_series_start_at_zero() -> None:
+    """Series with known label values exist at 0 before the first event (so increase() counts
+    it); a model's turn counters appear at 0 when the model is first seen."""
+    m = SidecarMetrics()
+    assert (
+        m.registry.get_sample_value(names.METRIC_SIDECAR_SPANS_DROPPED + "_total", {"reason": "store_error"})
+        == 0
+    )
+    assert (
+        m.registry.get_sample_value(
+            names.METRIC_SIDECAR_REQUESTS_REFUSED + "_total", {"reason": "headers_too_large"}
+        )
+        == 0
+    )
+    assert (
+        m.registry.get_sample_value(names.METRIC_SIDECAR_OTLP_REJECTED + "_total", {"reason": "media_type"})
+        == 0
+    )
+    assert (
+        m.registry.get_sample_value(
+            names.METRIC_TRACE_RETENTIONS + "_total", {"kind": "decode_ttl", "outcome": "expired"}
+        )
+        == 0
+    )
+    turns = names.METRIC_TURNS + "_total"
+    assert (
+        m.registry.get_sample_value(turns, {"model_name": "m", "status": "error", "stream": "true"}) is None
+    )
+    phases = Phases(0.2, 1.0, 0.0, 0.0, names.GAP_SOURCE_NONE, names.TTFT_SOURCE_STREAM)
+    m.observe_turn(model="m", phases=phases, ttft_s=0.2, turn_index=0, ok=True, stream=True)
+    assert m.registry.get_sample_value(turns, {"model_name": "m", "status": "error", "stream": "true"}) == 0
+    # The model's task-time histogram exists before its first conversation has finished.
+    count = names.METRIC_CONVERSATION_SECONDS + "_count"
+    assert m.registry.get_sample_value(count, {"model_name": "m"}) == 0
+
+
+S = 1_000_000_000
+
+
+def test_task_time_is_first_arrival_to_last_end_once_idle() -> None:
+    """A conversation's task time is observed once it has been idle longer than the idle time:
+    from its first request's arrival to its last turn's end, whatever happened in between."""
+    m = SidecarMetrics()
+    phases = Phases(0.1, 0.1, 0.0, 0.0, names.GAP_SOURCE_NONE, names.TTFT_SOURCE_STREAM)
+    t0 = 1_000 * S
+    for start, end in ((t0, t0 + 2 * S), (t0 + 30 * S, t0 + 31 * S), (t0 + 100 * S, t0 + 104 * S)):
+        m.observe_turn(
+            model="m",
+            phases=phases,
+            ttft_s=None,
+            turn_index=0,
+            ok=True,
+            stream=False,
+            conversation_id="c1",
+            start_ns=start,
+            end_ns=end,
+        )
+    count = names.METRIC_CONVERSATION_SECONDS + "_count"
+    m.expire_tasks(t0 + 104 * S + int(names.CONVERSATION_IDLE_SECONDS * S))  # exactly idle: not yet
+    assert _value(m, count, model_name="m") == 0
+    m.expire_tasks(t0 + 105 * S + int(names.CONVERSATION_IDLE_SECONDS * S))
+    assert _value(m, count, model_name="m") == 1
+    assert _value(m, names.METRIC_CONVERSATION_SECONDS + "_sum", model_name="m") == 104.0
+    m.expire_tasks(t0 + 10_000 * S)  # observed once
+    assert _value(m, count, model_name="m") == 1
+
+
+def test_a_conversation_back_after_the_idle_time_is_a_new_task() -> None:
+    m = SidecarMetrics()
+    phases = Phases(0.1, 0.1, 0.0, 0.0, names.GAP_SOURCE_NONE, names.TTFT_SOURCE_STREAM)
+    late = int((names.CONVERSATION_IDLE_SECONDS + 60) * S)
+    for start in (0, 5 * S, 5 * S + late):
+        m.observe_turn(
+            model="m",
+            phases=phases,
+            ttft_s=None,
+            turn_index=0,
+            ok=True,
+            stream=False,
+            conversation_id="c1",
+            start_ns=start,
+            end_ns=start + S,
+        )
+    assert _value(m, names.METRIC_CONVERSATION_SECONDS + "_count", model_name="m") == 1
+    assert _value(m, names.METRIC_CONVERSATION_SECONDS + "_sum", model_name="m") == 6.0
+
+
+def _timed_prefill(engine: str, start_s: float, end_s: float, **attrs: Any) -> SpanRecord:
+    return SpanRecord(
+        "0" * 32,
+        "1" * 16,
+        "",
+        "kv_request prefill",
+        "Internal",
+        int(start_s * S),
+        int(end_s * S),
+        {
+            names.ROLE: names.ROLE_PREFILL,
+            names.REQUEST_OUTCOME: names.OUTCOME_FINISHED,
+            names.GEN_AI_REQUEST_MODEL: "m",
+            **attrs,
+        },
+        {names.ENGINE_ID: engine},
+    )
+
+
+def test_pull_seconds_price_pulled_tokens_at_the_engines_measured_compute_rate() -> None:
+    """Recompute avoided = pulled tokens x the engine's fastest recent seconds per computed token
+    (span time minus KV wait, over computed tokens); the pull's wait is counted beside it."""
+    m = SidecarMetrics()
+    m.observe_spans(
+        [
+            # 200 tokens in 0.4 s: 2 ms per token; 100 tokens in 0.5 s (queued): 5 ms per token.
+            _timed_prefill("p1", 0.0, 0.4, **{names.TOKENS_COMPUTED: 200}),
+            _timed_prefill("p1", 1.0, 1.5, **{names.TOKENS_COMPUTED: 100}),
+            # Too few computed tokens to measure; on another engine with no measurement at all.
+            _timed_prefill("p1", 2.0, 3.0, **{names.TOKENS_COMPUTED: 8}),
+            _timed_prefill(
+                "p2",
+                2.0,
+                2.2,
+                **{
+                    names.TOKENS_PULLED: 500,
+                    names.PULL_DECISION: names.DECISION_PULL,
+                    names.REMOTE_KV_WAIT_SECONDS: 0.1,
+                },
+            ),
+            # A pull of 1000 tokens that waited 0.3 s for them, plus 10 computed tokens.
+            _timed_prefill(
+                "p1",
+                4.0,
+                4.5,
+                **{
+                    names.TOKENS_PULLED: 1000,
+                    names.TOKENS_COMPUTED: 10,
+                    names.PULL_DECISION: names.DECISION_PULL,
+                    names.REMOTE_KV_WAIT_SECONDS: 0.3,
+                },
+            ),
+        ]
+    )
+    metric = names.METRIC_TRACE_PULL_PREFILL_SECONDS + "_total"
+    avoided = _value(m, metric, part=names.PULL_PART_RECOMPUTE_AVOIDED, model_name="m")
+    wait = _value(m, metric, part=names.PULL_PART_WAIT, model_name="m")
+    assert round(avoided, 9) == 2.0  # 1000 tokens x 2 ms; the p2 pull has no price and is left out
+    assert round(wait, 9) == 0.3

@@ -669,7 +669,7 @@ def test_otlp_receiver_formats_and_rejections(sidecar: tuple[Sidecar, Turns]) ->
     assert (status, body) == (200, b"{}")
     received = [s for s in turns.spans if s.span_id == "b7ad6b7169203331"]
     assert received and received[0].attributes[names.TOKENS_PULLED] == 96
-    metric = names.METRIC_SIDECAR_OTLP_REJECTED + "_total"
+    metric = names.METRIC_SIDECAR_OTLP_REJECTED + '_total{reason="malformed"}'
     before = _metric(sc.admin_url, metric)
     for ctype, garbage in (
         ("application/x-protobuf", b"\xff\xff\xff garbage"),
