@@ -390,6 +390,11 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
             wait_for_turn(fleet.sink, turn.trace_id, decode=turn.ok)
     fleet.flush_store()
 
+    # The run's conversations are over: the sidecar counts their task time once they have been
+    # idle for CONVERSATION_IDLE_SECONDS; its clock is moved past that instead of waiting.
+    assert fleet.sidecar is not None
+    fleet.sidecar.metrics.expire_tasks(time.time_ns() + int(names.CONVERSATION_IDLE_SECONDS * 1e9) + 1)
+
     # Prometheus has scraped the final counts (the sidecar's turn counter is the last to move).
     turns_total = _sidecar_turns(fleet)
     expired = q.sel(q.counter(names.METRIC_RETENTIONS), (), q.eq(q.OUTCOME, names.RETENTION_EXPIRED))
@@ -574,9 +579,12 @@ def test_readme_picture_is_drawn_from_the_run(
     run: Run, prometheus: Prometheus, fleet: Fleet, tmp_path: Path
 ) -> None:
     """The README's picture: six panels drawn from their own queries on this run's Prometheus
-    and store. ``OTELKV_README_PICTURE=docs/img/dashboards.png`` keeps it; every panel must
-    have drawn data, so the picture cannot silently show an empty panel."""
-    from tools.dashboard_picture import render
+    and store. ``OTELKV_README_PICTURE=docs/img/dashboards.png`` keeps it, and
+    ``OTELKV_README_PICTURE_RECORDING=run.json`` the query results, from which
+    ``python -m tools.dashboard_picture run.json docs/img/dashboards.png`` draws it again after
+    a change of the panels' look. Every panel must have drawn data, so the picture cannot
+    silently show an empty panel."""
+    from tools.dashboard_picture import recorder, render, save_recording
 
     assert fleet.sidecar is not None
     store = fleet.sidecar.store
@@ -588,14 +596,26 @@ def test_readme_picture_is_drawn_from_the_run(
         return (list(rows[0]) if rows else []), [tuple(row.values()) for row in rows]
 
     out = Path(os.environ.get("OTELKV_README_PICTURE") or tmp_path / "dashboards.png")
-    drawn = render(
-        out,
-        [(boards[uid], panel) for uid, panel in README_PICTURE],
-        ctx,
-        prom_range=lambda expr: prometheus.query_range(expr, run.start, run.end, SCRAPE_S),
-        prom_instant=lambda expr: prometheus.query(expr, run.end),
-        sql_rows=sql_rows,
-        title="otelkv dashboards, drawn from a real 1P1D vLLM run (NIXL over UCX, CPU) through the sidecar",
+    prom_range, prom_instant, sql_rows, kept = recorder(
+        lambda expr: prometheus.query_range(expr, run.start, run.end, SCRAPE_S),
+        lambda expr: prometheus.query(expr, run.end),
+        sql_rows,
     )
+    title = "otelkv dashboards, drawn from a real 1P1D vLLM run (NIXL over UCX, CPU) through the sidecar"
+    try:
+        drawn = render(
+            out,
+            [(boards[uid], panel) for uid, panel in README_PICTURE],
+            ctx,
+            prom_range=prom_range,
+            prom_instant=prom_instant,
+            sql_rows=sql_rows,
+            title=title,
+        )
+    finally:
+        if os.environ.get("OTELKV_README_PICTURE_RECORDING"):
+            save_recording(
+                Path(os.environ["OTELKV_README_PICTURE_RECORDING"]), kept, ctx, README_PICTURE, title
+            )
     assert all(d.points > 0 for d in drawn), drawn
     assert out.stat().st_size > 50_000
