@@ -17,15 +17,24 @@ The other diagnoses are proven on real engines where their fleets already run:
 ``router_forwards_no_identity`` in ``test_third_party_router``; ``bidirectional_off`` and
 ``stuck_waiting_for_remote_kv`` in ``test_bidirectional_off`` (``tests/unit/test_docs.py``
 holds every registered diagnosis to a real-fleet test).
+
+The same store then answers the queries of ``docs/queries.md`` (the ``test_cookbook_*``
+tests), read from the page and run on the sidecar's own store object while it runs: each
+answer is checked against what the scenarios did (the tool call that outlasted the TTL, the
+stalled pull, the failed reads, the client's clocks and statuses), and the bytes read
+against vLLM's own NIXL counters.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -33,9 +42,12 @@ import pytest
 from otelkv import names
 from otelkv.analysis import report
 from otelkv.analysis.sources import StoreSource
+from otelkv.fleet import metrics as prom
 from otelkv.fleet.agent import Conversation, Turn, TurnResult
 from otelkv.fleet.engines import Engine
 from otelkv.fleet.fleet import Fleet, FleetConfig
+from otelkv.spans import SpanRecord
+from tests import cookbook
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import wait_for_turn
 from tests.schema import assert_valid
@@ -52,6 +64,8 @@ MARGIN_S = 5.0
 PAUSE_S = 3.0
 STALL_S = 2.0
 PULL_STALL_S = 4.0
+LAPSE_PAUSE_S = TTL_S + 1.5
+"""A tool call that outlasts the TTL (it runs beside the other gap scenarios)."""
 CLOCK_TOLERANCE_S = 0.1
 """How far the sidecar's phases may be from the client's clock, per turn. Both sides read
 their kernel's times (``TCP_INFO``): what is left is a jiffy on each side (4 ms on the
@@ -126,7 +140,17 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
 
 
 @pytest.fixture(scope="module")
-def gallery(fleet: Fleet) -> dict[str, Scenario]:
+def window_start(fleet: Fleet) -> int:
+    """The first whole second after the fleet's warm-up: the scenarios start there, so a
+    query's time range (whole seconds, as Grafana sends it) holds the gallery and nothing else."""
+    now = time.time()
+    start = math.ceil(now)
+    time.sleep(start - now + 0.01)
+    return start
+
+
+@pytest.fixture(scope="module")
+def gallery(fleet: Fleet, window_start: int) -> dict[str, Scenario]:
     assert fleet.router is not None
     driver = fleet.driver()
     out: dict[str, Scenario] = {}
@@ -145,6 +169,14 @@ def gallery(fleet: Fleet) -> dict[str, Scenario]:
         ),
         # A 4-token answer leaves the decode node fewer new tokens than the threshold.
         "below": Conversation("gal-below", [Turn("hi there " * 20, 4), Turn("ok", 4, pause_s=0.3)]),
+        # A tool call that outlasts the decode node's TTL (docs/queries.md's lapse query).
+        "lapse": Conversation(
+            "gal-lapse",
+            [
+                Turn("run the nightly suite", 48),
+                Turn("suite passed", 32, pause_s=LAPSE_PAUSE_S, tool="ci_run"),
+            ],
+        ),
     }
 
     for name, turns in zip(together, driver.run_sync(list(together.values())), strict=True):
@@ -416,3 +448,326 @@ def test_phases_match_the_clients_clock(fleet: Fleet, gallery: dict[str, Scenari
         )
         over = [(round(x, 4), where) for x, where in errors if abs(x) > CLOCK_TOLERANCE_S]
         assert not over, (label, over)
+
+
+# ------------------------------------------------------------------ docs/queries.md
+
+
+@dataclass
+class Cookbook:
+    """The sidecar's store with every gallery span in it, queried in place while the sidecar
+    runs (the store object is the sidecar's own, in this process: no second opener)."""
+
+    fleet: Fleet
+    start: datetime
+    spans: list[SpanRecord]
+    """What the sidecar received (the fleet's in-memory copy): the raw input of the queries."""
+
+    def run(
+        self, heading: str, *, start: datetime | None = None, conversation: str | None = None
+    ) -> list[dict[str, Any]]:
+        assert self.fleet.sidecar is not None
+        end = datetime.now(timezone.utc) + timedelta(minutes=5)
+        sql = cookbook.runnable(cookbook.sql(heading), start or self.start, end, conversation=conversation)
+        return self.fleet.sidecar.store.query(sql)  # type: ignore[no-any-return]
+
+
+DECODE_SPAN = names.engine_request_span_name(names.ROLE_DECODE)
+PREFILL_SPAN = names.engine_request_span_name(names.ROLE_PREFILL)
+DECODE_RETENTION = names.retention_span_name(names.RETENTION_DECODE_TTL)
+
+
+@pytest.fixture(scope="module")
+def cookbook_store(fleet: Fleet, gallery: dict[str, Scenario], window_start: int) -> Cookbook:
+    """Every turn's spans stored, and every decode retention ended (read, or expired at its TTL)."""
+    assert fleet.sink is not None
+    for scenario in gallery.values():
+        for turn in scenario.turns:
+            wait_for_turn(fleet.sink, turn.trace_id, decode=turn.ok)
+
+    def all_ended(spans: list[SpanRecord]) -> bool:
+        handles = {
+            s.span_id
+            for s in spans
+            if s.name == DECODE_SPAN and s.attributes.get(names.KV_PARAMS_RETURNED) in (True, "true")
+        }
+        return handles <= {s.parent_span_id for s in spans if s.name == DECODE_RETENTION}
+
+    spans = fleet.sink.wait_for(all_ended, timeout=TTL_S + 30.0)
+    fleet.flush_store()
+    return Cookbook(fleet, datetime.fromtimestamp(window_start, timezone.utc), spans)
+
+
+def all_turns(gallery: dict[str, Scenario]) -> list[TurnResult]:
+    return [turn for scenario in gallery.values() for turn in scenario.turns]
+
+
+def tool_span(fleet: Fleet, conversation: str) -> SpanRecord:
+    """The agent's own measurement of its tool call (its ``execute_tool`` span)."""
+    assert fleet.sink is not None
+    (tool,) = fleet.sink.spans(
+        lambda s: (
+            s.name.startswith("execute_tool ")
+            and s.attributes.get(names.GEN_AI_CONVERSATION_ID) == conversation
+        )
+    )
+    return tool
+
+
+def test_cookbook_slow_turns(fleet: Fleet, gallery: dict[str, Scenario], cookbook_store: Cookbook) -> None:
+    rows = cookbook_store.run("Slow turns with their phases")
+    assert sorted((r["conversation"], r["turn"]) for r in rows) == sorted(
+        (t.conversation_id, t.index) for t in all_turns(gallery)
+    )
+    first, second = gallery["lapse"].turns
+    top = rows[0]  # the tool call past the TTL is the gallery's longest turn
+    assert (top["conversation"], top["turn"]) == ("gal-lapse", 1)
+    assert top["total_s"] == pytest.approx(done(second) - done(first), abs=2 * CLOCK_TOLERANCE_S)
+    assert top["tool_wait_s"] == pytest.approx(tool_span(fleet, "gal-lapse").duration_s, abs=0.01)
+    # The router dropped its handle after 6 s: the prefill node got none.
+    assert top["pull_reason"] == names.REASON_NO_DECODE_HANDLE and top["pulled_tokens"] == 0
+
+
+SHORT_ANSWERS = {"gal-tool": 1, "gal-app": 1}
+"""Later turns after a 48-token answer: the decode node holds about the threshold's worth of
+tokens beyond the prefill node's cache (the prompt's last partial block and the answer), so
+they pull or fall below the threshold depending on how the answer re-renders. Either is
+right; the queries must then say which."""
+
+
+def test_cookbook_a_conversations_turns(gallery: dict[str, Scenario], cookbook_store: Cookbook) -> None:
+    first, second = gallery["pull_slow"].turns
+    rows = cookbook_store.run("A conversation's turns", conversation="gal-pull-slow")
+    assert [r["turn"] for r in rows] == [0, 1]
+    assert rows[1]["total_s"] == pytest.approx(done(second) - done(first), abs=2 * CLOCK_TOLERANCE_S)
+    # A 96-token answer and a 0.5 s gap: the second turn read the first one's KV back.
+    assert rows[1]["pull_reason"] == names.REASON_PULLED
+    assert THRESHOLD <= rows[1]["pulled"] <= first.prompt_tokens + first.completion_tokens
+    assert rows[0]["retention"] == names.RETENTION_CONSUMED and rows[0]["held_s"] < TTL_S
+    assert cookbook_store.run("A conversation's turns", conversation="gal-'none'") == []
+
+
+def test_cookbook_why_a_turn_did_not_pull(gallery: dict[str, Scenario], cookbook_store: Cookbook) -> None:
+    rows = {(r["conversation"], r["turn"]): r for r in cookbook_store.run("Why a turn did not pull")}
+    known = {("gal-below", 1), ("gal-lapse", 1), ("gal-router-drop", 1), ("gal-expired", 1), ("gal-late", 1)}
+    assert known <= set(rows) <= known | set(SHORT_ANSWERS.items())
+    for key in set(rows) - known:
+        assert rows[key]["pull_reason"] == names.REASON_BELOW_THRESHOLD
+    below = rows["gal-below", 1]
+    assert below["pull_reason"] == names.REASON_BELOW_THRESHOLD
+    assert 0 < below["remote_reusable"] < below["threshold"] == THRESHOLD
+    first, second = gallery["lapse"].turns
+    lapse = rows["gal-lapse", 1]
+    assert (lapse["pull_reason"], lapse["previous_retention"], lapse["router_handle"]) == (
+        names.REASON_NO_DECODE_HANDLE,
+        names.RETENTION_EXPIRED,
+        names.ROUTER_HANDLE_STALE,
+    )
+    assert lapse["gap_s"] == pytest.approx(sent(second) - done(first), abs=CLOCK_TOLERANCE_S)
+    assert lapse["gap_s"] > lapse["ttl_s"] == pytest.approx(TTL_S, abs=0.5)
+    drop = rows["gal-router-drop", 1]
+    assert (drop["pull_reason"], drop["router_handle"]) == (
+        names.REASON_NO_DECODE_HANDLE,
+        names.ROUTER_HANDLE_STALE,
+    )
+    assert drop["gap_s"] < drop["ttl_s"]  # the decode node still held the KV
+    assert rows["gal-expired", 1]["pull_reason"] == names.REASON_DECLINED_EXPIRED
+
+
+def test_cookbook_ttl_lapsed_during_a_tool_call(
+    fleet: Fleet, gallery: dict[str, Scenario], cookbook_store: Cookbook
+) -> None:
+    # gal-expired's 9 s gap also reached vLLM's read margin, but it was app work, not a tool.
+    (row,) = cookbook_store.run("Turns whose TTL lapsed during a tool call, by agent")
+    first, second = gallery["lapse"].turns
+    assert (row["agent"], row["lapsed_turns"]) == ("gal-lapse", 1)
+    assert row["decode_ttl_s"] == pytest.approx(TTL_S, abs=0.5)
+    assert row["longest_tool_wait_s"] == pytest.approx(tool_span(fleet, "gal-lapse").duration_s, abs=0.01)
+    gap = sent(second) - done(first)
+    assert row["most_over_ttl_s"] == pytest.approx(gap - row["decode_ttl_s"], abs=CLOCK_TOLERANCE_S)
+    assert row["example_trace_id"] == second.trace_id
+
+
+def test_cookbook_pulls_slower_than_recomputing(
+    fleet: Fleet, gallery: dict[str, Scenario], cookbook_store: Cookbook
+) -> None:
+    (first, second), frozen = stalled(gallery, "pull_slow")
+    rows = {(r["conversation"], r["turn"]): r for r in cookbook_store.run("Pulls slower than recomputing")}
+    row = rows["gal-pull-slow", 1]
+    # The pull waited for the frozen decode node (as in test_pull_slower_than_recompute).
+    stalled_for = frozen.thawed - leg_sent(fleet, second, names.ROLE_PREFILL)
+    assert stalled_for - STALL_TOLERANCE_S <= row["pull_s"] <= stalled_for + RESUME_TOLERANCE_S
+    assert THRESHOLD <= row["pulled"] <= first.prompt_tokens + first.completion_tokens
+    assert 0 < row["recompute_estimate_s"] < row["pull_s"] and row["backend"] == "UCX"
+    assert row["trace_id"] == second.trace_id
+
+
+def test_cookbook_conversations_whose_reuse_never_happened(cookbook_store: Cookbook) -> None:
+    rows = {r["conversation"]: r for r in cookbook_store.run("Conversations whose reuse never happened")}
+    # gal-pull-slow pulled; gal-handoff and gal-queue have one turn.
+    known = {"gal-below", "gal-lapse", "gal-router-drop", "gal-expired", "gal-late"}
+    assert known <= set(rows) <= known | set(SHORT_ANSWERS)
+    for conversation in set(rows) - known:
+        assert rows[conversation]["reasons"] == [names.REASON_BELOW_THRESHOLD]
+    assert rows["gal-below"]["reasons"] == [names.REASON_BELOW_THRESHOLD]
+    assert rows["gal-lapse"]["reasons"] == [names.REASON_NO_DECODE_HANDLE]
+    assert rows["gal-router-drop"]["reasons"] == [names.REASON_NO_DECODE_HANDLE]
+    assert all(r["turns"] == 2 for r in rows.values())
+
+
+def test_cookbook_tool_wait_against_app_work(
+    fleet: Fleet, gallery: dict[str, Scenario], cookbook_store: Cookbook
+) -> None:
+    rows = {r["agent"]: r for r in cookbook_store.run("p95 tool wait against app work, per agent")}
+    later = {t.conversation_id for t in all_turns(gallery) if t.index > 0}
+    assert set(rows) == later
+    for conversation in ("gal-tool", "gal-lapse"):
+        assert rows[conversation]["p95_tool_wait_s"] == pytest.approx(
+            tool_span(fleet, conversation).duration_s, abs=0.01
+        )
+    first, second = gallery["app"].turns
+    app = rows["gal-app"]
+    assert app["p95_tool_wait_s"] == 0 and app["turns"] == 1
+    assert app["p95_app_work_s"] == pytest.approx(sent(second) - done(first), abs=CLOCK_TOLERANCE_S)
+    assert app["app_work_share"] > 0.5 and rows["gal-lapse"]["tool_wait_share"] > 0.9
+
+
+def _num(span: SpanRecord, key: str) -> float:
+    return float(span.attributes.get(key) or 0)
+
+
+def test_cookbook_block_seconds_per_saved_prefill_second(
+    fleet: Fleet, gallery: dict[str, Scenario], cookbook_store: Cookbook
+) -> None:
+    """Against the raw spans the sidecar received, summed here; and the scenario's anchor: the
+    lapse conversation's first turn kept its KV the whole TTL for nothing."""
+    (row,) = cookbook_store.run("Retained block-seconds per saved prefill second")
+    start_ns = cookbook_store.start.timestamp() * 1e9
+    spans = [s for s in cookbook_store.spans if s.start_ns >= start_ns]
+    kept = [s for s in spans if s.name == DECODE_RETENTION]
+    outcomes = Counter(s.attributes[names.RETENTION_OUTCOME] for s in kept)
+    assert (row["retentions"], row["expired"]) == (len(kept), outcomes[names.RETENTION_EXPIRED])
+    assert row["block_seconds"] == pytest.approx(sum(_num(s, names.RETENTION_BLOCK_SECONDS) for s in kept))
+    prefills = [
+        s
+        for s in spans
+        if s.name == PREFILL_SPAN and s.attributes.get(names.REQUEST_OUTCOME) == names.OUTCOME_FINISHED
+    ]
+    per_token = min(
+        (s.duration_s - _num(s, names.REMOTE_KV_WAIT_SECONDS)) / _num(s, names.TOKENS_COMPUTED)
+        for s in prefills
+        if _num(s, names.TOKENS_COMPUTED) >= 16
+    )
+    pulled = sum(_num(s, names.TOKENS_PULLED) for s in prefills)
+    assert row["pulled_tokens"] == pulled >= THRESHOLD  # gal-pull-slow pulled
+    assert row["saved_prefill_s"] == pytest.approx(pulled * per_token)
+    assert row["block_seconds_per_saved_s"] == pytest.approx(row["block_seconds"] / (pulled * per_token))
+    first, _ = gallery["lapse"].turns
+    (lapsed,) = [s for s in kept if s.trace_id == first.trace_id]
+    assert lapsed.attributes[names.RETENTION_OUTCOME] == names.RETENTION_EXPIRED
+    assert _num(lapsed, names.RETENTION_HELD_SECONDS) == pytest.approx(TTL_S, abs=1.0)
+
+
+def test_cookbook_ttft_by_turn_index(gallery: dict[str, Scenario], cookbook_store: Cookbook) -> None:
+    rows = {r["turn"]: r for r in cookbook_store.run("TTFT by turn index")}
+    ok = [t for t in all_turns(gallery) if t.ok]
+    assert {i: r["turns"] for i, r in rows.items()} == dict(Counter(t.index for t in ok))
+    for index, r in rows.items():
+        # The first token comes inside the request, on the client's clock.
+        longest = max(done(t) - sent(t) for t in ok if t.index == index)
+        assert 0 < r["p50_ttft_s"] <= r["p95_ttft_s"] <= longest + CLOCK_TOLERANCE_S
+    assert rows[0]["reused_share"] < rows[1]["reused_share"]
+
+
+def test_cookbook_kv_bytes_match_vllms_own_counters(fleet: Fleet, cookbook_store: Cookbook) -> None:
+    """Over the fleet's whole life (warm-up included), as vLLM's counters are."""
+    assert fleet.prefill is not None and fleet.decode is not None
+    rows = cookbook_store.run(
+        "KV bytes read, by direction and backend", start=cookbook_store.start - timedelta(hours=1)
+    )
+    assert {r["backend"] for r in rows} == {"UCX"}
+    read = Counter[str]()
+    for r in rows:
+        read[r["direction"]] += r["bytes"]
+    engines = {names.DIRECTION_D_TO_P: fleet.prefill, names.DIRECTION_P_TO_D: fleet.decode}
+    deadline = time.monotonic() + 15.0  # vLLM publishes its NIXL stats with the engine's stats
+    while True:
+        vllm = {
+            d: prom.total(e.metrics_text(), "vllm:nixl_bytes_transferred_sum") for d, e in engines.items()
+        }
+        if all(vllm[d] == read[d] for d in engines) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert dict(read) == vllm and all(v > 0 for v in vllm.values())
+
+
+def test_cookbook_failed_kv_loads(gallery: dict[str, Scenario], cookbook_store: Cookbook) -> None:
+    rows = cookbook_store.run("Failed KV loads")
+    failed = {(t.conversation_id, t.index): t for t in all_turns(gallery) if t.status >= 500}
+    assert set(failed) == {("gal-expired", 1), ("gal-late", 1)}
+    assert {(r["conversation"], r["turn"]) for r in rows} == set(failed)
+    for r in rows:
+        assert r["http_status"] == str(failed[r["conversation"], r["turn"]].status)
+        assert (r["role"], r["outcome"]) == (names.ROLE_PREFILL, names.OUTCOME_FAILED_KV_LOAD)
+
+
+def test_funnel_places_each_scenario_where_it_lost_its_reuse(
+    fleet: Fleet, gallery: dict[str, Scenario], cookbook_store: Cookbook, window_start: int
+) -> None:
+    """``otelkv funnel`` and the *KV reuse* dashboard's funnel panel on what the scenarios did:
+    each second turn lost at the step its scenario made it miss, and the two counting alike."""
+    from otelkv.analysis.diagnose import diagnose
+    from otelkv.analysis.funnel import funnel, place
+    from otelkv.analysis.linker import window_turns
+    from otelkv.analysis.report import diagnosis_context
+    from otelkv.dashboards import promql as q
+    from otelkv.dashboards.funnel_panel import FUNNEL_SQL
+    from tools import grafana_expand as expand
+
+    assert fleet.sidecar is not None
+    source = StoreSource(fleet.sidecar.store)
+    since_ns = window_start * 1_000_000_000
+    turns, _ = window_turns(source, since_ns=since_ns, until_ns=None)
+    ctx = diagnosis_context(turns)
+    placed = {
+        t.conversation_id: place(t, [d.id for d in diagnose(t, ctx)], ctx) for t in turns if t.index == 1
+    }
+    built = {  # what each scenario did to its second turn
+        "gal-below": (names.FUNNEL_ABOVE_THRESHOLD, names.REASON_BELOW_THRESHOLD),  # a 4-token answer
+        "gal-lapse": (names.FUNNEL_KV_HELD, names.DIAG_TTL_LAPSED),  # a tool call past the TTL
+        "gal-expired": (names.FUNNEL_KV_HELD, names.DIAG_TTL_LAPSED),  # a gap inside vLLM's read margin
+        "gal-router-drop": (names.FUNNEL_KV_HELD, names.DIAG_ROUTER_HANDLE_EXPIRED),  # router TTL 1.5 s
+        "gal-late": (names.FUNNEL_PULLED, names.DIAG_KV_READ_STARTED_LATE),  # scheduler frozen
+        "gal-pull-slow": (names.FUNNEL_FASTER, names.DIAG_PULL_SLOWER_THAN_RECOMPUTE),  # decode frozen
+    }
+    assert set(placed) == set(built) | {"gal-tool", "gal-app"}
+    assert {c: (p.step, p.reason) for c, p in placed.items() if c in built} == built
+    # Ids sent, decode called non-streaming, 3 s gaps well inside the TTL: past the first steps.
+    early = (names.FUNNEL_CONVERSATION_ID, names.FUNNEL_DECODE_HANDLE, names.FUNNEL_KV_HELD)
+    for conv in ("gal-tool", "gal-app"):
+        assert placed[conv].step not in early, (conv, placed[conv])
+    # At stake without a handle: what the decode node held (the client's usage of the first
+    # turn) less the prefill node's own prefix-cache hit.
+    for name, conv in (("lapse", "gal-lapse"), ("router_drop", "gal-router-drop")):
+        first = gallery[name].turns[0]
+        (turn,) = [t for t in turns if t.conversation_id == conv and t.index == 1]
+        assert turn.prefill is not None
+        held = first.prompt_tokens + first.completion_tokens
+        assert placed[conv].tokens == held - (turn.prefill.local_cache or 0), conv
+
+    doc = assert_valid(funnel(source, since_ns=since_ns))
+    assert doc["follow_up_turns"] == len(placed) == 8 and doc["turns_lost"] + doc["ends"] == 8
+    lost = Counter((p.step, p.reason) for p in placed.values() if p.step is not None)
+    assert Counter({(s["id"], r["reason"]): r["turns"] for s in doc["steps"] for r in s["lost"]}) == lost
+
+    ctx_sql = expand.Context(
+        variables={q.MODEL_VAR: expand.Variable(expand.ALL, options=["tiny"], all_value=".*")},
+        start=datetime.fromtimestamp(window_start, timezone.utc),
+        end=datetime.now(timezone.utc) + timedelta(minutes=5),
+        interval_s=15.0,
+    )
+    rows = fleet.sidecar.store.query(expand.clickhouse(FUNNEL_SQL, ctx_sql))
+    assert [r["turns"] for r in rows] == [s["turns"] for s in doc["steps"]]
+    for row, step in zip(rows, doc["steps"], strict=True):
+        want = ", ".join(f"{r['reason']}: {r['turns']} ({r['tokens']} tokens)" for r in step["lost"])
+        assert row["lost_by_reason"] == want, step["id"]
