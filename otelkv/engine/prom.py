@@ -30,7 +30,9 @@ METRICS: dict[str, names.Metric] = {m.name: m for m in names.ENGINE_METRICS}
 def known_series(backend: str | None) -> list[tuple[str, tuple[str, ...]]]:
     """The counter series (metric, otelkv label values) an engine with this NIXL ``backend``
     label can report, all from closed vocabularies (None: no backend-labelled series). Every
-    role: a ``kv_both`` engine is prefill or decode request by request."""
+    role: a ``kv_both`` engine is prefill or decode request by request. Transfers start at 0
+    for the two P/D hand-off directions only: ``load`` (a connector that is not a P/D
+    hand-off) never happens on a NIXL P/D engine and would add a series that always reads 0."""
     roles = names.ROLES
     out: list[tuple[str, tuple[str, ...]]] = []
     out += [(names.METRIC_PULL_DECISIONS, pair) for pair in names.PULL_DECISION_REASONS]
@@ -43,7 +45,7 @@ def known_series(backend: str | None) -> list[tuple[str, tuple[str, ...]]]:
     out += [(names.METRIC_BODY_TRACE_CONTEXT, (o,)) for o in names.BODY_CONTEXT_OUTCOMES]
     out += [(names.METRIC_CONTINUITY_TOKENS, (o,)) for o in names.CONTINUITY_OUTCOMES]
     if backend:
-        for direction in names.DIRECTIONS:
+        for direction in (names.DIRECTION_D_TO_P, names.DIRECTION_P_TO_D):
             out += [(names.METRIC_TRANSFERS, (direction, backend, o)) for o in names.TRANSFER_OUTCOMES]
             out.append((names.METRIC_TRANSFER_BYTES, (direction, backend)))
     return out
