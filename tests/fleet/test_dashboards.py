@@ -568,6 +568,7 @@ def test_the_run_itself_covers_what_the_panels_are_about(run: Run, prometheus: P
 README_PICTURE = (
     ("otelkv-agent-turns", 9),  # turn time by phase, stacked
     ("otelkv-agent-turns", 15),  # TTFT by turn index
+    ("otelkv-kv-reuse", 24),  # prefill seconds saved by pulls: what reuse is worth
     ("otelkv-kv-reuse", 9),  # prefill tokens by source
     ("otelkv-kv-reuse", 11),  # pull decisions by reason
     ("otelkv-kv-reuse", 14),  # KV bytes/s by direction and backend
@@ -578,7 +579,7 @@ README_PICTURE = (
 def test_readme_picture_is_drawn_from_the_run(
     run: Run, prometheus: Prometheus, fleet: Fleet, tmp_path: Path
 ) -> None:
-    """The README's picture: six panels drawn from their own queries on this run's Prometheus
+    """The README's picture: seven panels drawn from their own queries on this run's Prometheus
     and store. ``OTELKV_README_PICTURE=docs/img/dashboards.png`` keeps it, and
     ``OTELKV_README_PICTURE_RECORDING=run.json`` the query results, from which
     ``python -m tools.dashboard_picture run.json docs/img/dashboards.png`` draws it again after
