@@ -775,8 +775,8 @@ METRIC_TURN_TTFT_SECONDS: Final = "otelkv_turn_ttft_seconds"
 """Histogram, labels turn_index (bucketed), model_name: time to first token by turn index."""
 METRIC_CONVERSATION_SECONDS: Final = "otelkv_conversation_seconds"
 """Histogram, label model_name: task time, a finished conversation's first request arrival to
-its last response byte. A conversation counts as finished once no request of it arrived for
-:data:`CONVERSATION_IDLE_SECONDS` (or the sidecar had to forget it, or stops)."""
+its last response byte. A conversation counts as finished once no turn of it ended for
+:data:`CONVERSATION_IDLE_SECONDS`, or when the sidecar had to forget it (bounded state)."""
 METRIC_TURN_GAP_SECONDS: Final = "otelkv_turn_gap_seconds"
 """Histogram, label source: the gap before a turn (tool wait plus app work)."""
 METRIC_TURNS: Final = "otelkv_turns"

@@ -32,6 +32,7 @@ from otelkv.spans import (
     attr_str,
     is_agent_turn_span,
     is_engine_request,
+    is_prefill_request,
     is_retention,
     is_router_span,
     is_sidecar_turn_span,
@@ -585,7 +586,28 @@ def _phases(turn: Turn, turn_span: SpanRecord | None, tools: list[SpanRecord]) -
     return phases
 
 
-def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = 16) -> float | None:
+MIN_COMPUTED_TOKENS = 16
+"""Prefill requests that computed fewer tokens do not measure compute: fixed per-request
+overhead dominates their time."""
+
+
+def request_compute_rate(span: SpanRecord) -> float | None:
+    """Seconds per computed prompt token of one prefill request span: its duration less its
+    wait for remote KV, over the tokens it computed. None when it does not measure compute:
+    not a finished prefill request, fewer than :data:`MIN_COMPUTED_TOKENS` computed, or a wait
+    that covered the whole span. The one rule behind every recompute price (``why``, the
+    sidecar's ``otelkv_trace_pull_prefill_seconds_total``)."""
+    if not is_prefill_request(span):
+        return None
+    a = span.attributes
+    computed = attr_float(a, names.TOKENS_COMPUTED)
+    if computed < MIN_COMPUTED_TOKENS or attr_str(a, names.REQUEST_OUTCOME) != names.OUTCOME_FINISHED:
+        return None
+    compute_s = span.duration_s - max(attr_float(a, names.REMOTE_KV_WAIT_SECONDS), 0.0)
+    return compute_s / computed if compute_s > 0 else None
+
+
+def per_token_compute_s(turns: Iterable[Turn], *, min_tokens: int = MIN_COMPUTED_TOKENS) -> float | None:
     """Seconds per computed prompt token on the prefill node: the fastest of the given turns.
 
     A prefill span's duration minus its KV wait, divided by the tokens it computed,

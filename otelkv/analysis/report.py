@@ -15,7 +15,7 @@ from typing import Any
 from otelkv.analysis import scope, turn_json
 from otelkv.analysis.diagnose import Context, diagnose
 from otelkv.analysis.linker import load_trace, load_turns
-from otelkv.analysis.model import Turn, per_token_compute_s
+from otelkv.analysis.model import Turn, per_token_compute_s, request_compute_rate
 from otelkv.analysis.sources import SpanSource
 from otelkv.spans import SpanRecord
 
@@ -41,15 +41,38 @@ class BadRef(ValueError):  # noqa: N818 - pairs with NotFound
     caller's input (CLI exit 2, API 400); the message says what to give instead."""
 
 
-def diagnosis_context(turns: Iterable[Turn]) -> Context:
-    """What the diagnoses of these turns share: the prefill node's cost per token (theirs and
-    their predecessors')."""
+PRICE_LOOKBACK_S = 3600.0
+"""``why`` prices recomputing from the prefill requests of the hour before the turn (and the
+turn itself): one turn and its predecessor alone often measure nothing, and then a pull
+slower than recomputing went unnamed in ``why`` while ``slow`` named it."""
+PRICE_SAMPLE_LIMIT = 2000
+"""At most this many engine requests of that hour are read for the price (the fastest rate
+wins, so a sample serves; it bounds ``why``'s cost on a busy fleet)."""
+
+
+def diagnosis_context(turns: Iterable[Turn], *, measured: Iterable[SpanRecord] = ()) -> Context:
+    """What the diagnoses of these turns share: the prefill node's cost per token, the fastest
+    rate measured by these turns, their predecessors and the ``measured`` request spans."""
     pool: list[Turn] = []
     for turn in turns:
         pool.append(turn)
         if turn.previous is not None:
             pool.append(turn.previous)
-    return Context(per_token_s=per_token_compute_s(pool))
+    rates = [r for r in map(request_compute_rate, measured) if r is not None]
+    found = per_token_compute_s(pool)
+    if found is not None:
+        rates.append(found)
+    return Context(per_token_s=min(rates) if rates else None)
+
+
+def _why_context(source: SpanSource, turn: Turn) -> Context:
+    """:func:`diagnosis_context` for one turn, priced over the hour before it."""
+    start = turn.prefill.start_ns if turn.prefill is not None else turn.start_ns
+    end = max(turn.end_ns, start + 1)
+    measured = source.engine_requests(
+        since_ns=max(start - int(PRICE_LOOKBACK_S * 1e9), 0), until_ns=end, limit=PRICE_SAMPLE_LIMIT
+    )
+    return diagnosis_context([turn], measured=measured)
 
 
 # ------------------------------------------------------------------ the three queries
@@ -151,6 +174,22 @@ def trace_by_prefix(source: SpanSource, prefix: str) -> str:
     return found[0]
 
 
+def _no_turn(source: SpanSource, conversation_id: str, index: int) -> str:
+    """Why CONVERSATION#INDEX found nothing: no such conversation (or a shortened id copied
+    from a table), or no such turn in it."""
+    if ".." in conversation_id:
+        return (
+            f"no conversation {conversation_id!r}: ids with '..' are shortened in tables; use the "
+            "TRACE column, or --wide for whole ids"
+        )
+    if not source.turn_spans(since_ns=None, until_ns=None, limit=1, conversation_id=conversation_id):
+        return (
+            f"no conversation {conversation_id!r} in the store; `otelkv slow --since 1d` lists recent "
+            "conversation ids"
+        )
+    return f"no turn {index} in conversation {conversation_id!r} (turn indexes are 0-based)"
+
+
 def why(source: SpanSource, ref: str) -> dict[str, Any]:
     """Everything that went wrong with one turn, ranked by estimated cost, with evidence and fixes.
 
@@ -162,7 +201,7 @@ def why(source: SpanSource, ref: str) -> dict[str, Any]:
         assert index is not None
         span = source.find_turn(key, index)
         if span is None:
-            raise NotFound(f"no turn {index} in conversation {key!r} (turn indexes are 0-based)")
+            raise NotFound(_no_turn(source, key, index))
         trace_id = span.trace_id
     elif kind == "prefix":
         trace_id = trace_by_prefix(source, key)
@@ -176,7 +215,7 @@ def why(source: SpanSource, ref: str) -> dict[str, Any]:
     turn = load_trace(source, trace_id, spans)
     if turn is None:
         raise NotFound(f"trace {trace_id} holds no agent turn and no engine request")
-    ctx = diagnosis_context([turn])
+    ctx = _why_context(source, turn)
     return turn_json.document(
         "why",
         ref=ref,

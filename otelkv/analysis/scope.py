@@ -3,8 +3,8 @@
 The reference fleet (:mod:`otelkv.fleet`) sends a warm-up conversation
 (:data:`otelkv.names.FLEET_WARMUP_CONVERSATION`) before any workload, so that the first
 requests' one-off costs (NIXL handshake, cold caches, first compiles) stay out of what is
-measured. Those turns are the harness's, not the agents': ``slow``, ``tune``, ``doctor``
-and ``compare`` leave them out alike, so the four count the same turns of a store.
+measured. Those turns are the harness's, not the agents': ``slow``, ``tune``, ``doctor``,
+``funnel`` and ``compare`` leave them out alike, so they count the same turns of a store.
 A view asked for one conversation or one turn by name (``conversation ID``, ``why REF``)
 still answers for them: nothing is hidden from a user who asks for it.
 """

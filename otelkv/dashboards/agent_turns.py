@@ -278,7 +278,7 @@ def task_time() -> PanelBuilder:
         "Task time p50 / p95",
         "A whole conversation's wall time, first request arrival to last response byte: the "
         "time an agent task took, next to the time to first token of its turns. A conversation "
-        f"counts once it has had no request for {names.CONVERSATION_IDLE_SECONDS:.0f} s, so it "
+        f"counts once no turn of it has ended for {names.CONVERSATION_IDLE_SECONDS:.0f} s, so it "
         "shows up that long after its last turn; each point covers the hour before it "
         "(conversations end far less often than turns do).",
         SECONDS,

@@ -34,6 +34,7 @@ from otelkv.sidecar.pipeline import SpanPipeline
 from otelkv.sidecar.proxy_process import ProxyProcess
 from otelkv.sidecar.receiver import MAX_OTLP_BODY_BYTES, OtlpReceiver
 from otelkv.sidecar.recorder import TurnRecorder
+from otelkv.sidecar.relay import REFUSED
 from otelkv.sidecar.tool_spans import ToolSpanIndex
 from otelkv.spans import SpanRecord
 
@@ -194,7 +195,7 @@ class Sidecar:
             self.metrics.upstream_errors.inc(counters["upstream_errors"])
         for key, count in counters.items():
             kind, _, reason = key.partition(":")
-            if kind == "requests_refused" and count and reason in names.REQUEST_REFUSED_REASONS:
+            if kind == REFUSED and count and reason in names.REQUEST_REFUSED_REASONS:
                 self.metrics.requests_refused.labels(reason).inc(count)
         if counters.get("turns_dropped"):
             self.metrics.dropped.labels(names.DROP_PROXY_CHANNEL_FULL).inc(counters["turns_dropped"])

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from otelkv import names
+from otelkv.analysis.model import request_compute_rate
 from otelkv.analysis.phases import Phases
 from otelkv.sidecar.tasks import FinishedTask, TaskClock
 from otelkv.spans import SpanRecord, attr_float, attr_str, is_prefill_request, is_retention, is_transfer
@@ -31,9 +32,6 @@ MAX_ENGINES = 256
 """Engines whose compute rate is remembered (the rest share one entry)."""
 RATE_WINDOW = 64
 """Recent prefill requests per engine whose seconds per computed token are kept."""
-MIN_COMPUTED_TOKENS = 16
-"""Prefills that computed fewer tokens are not measured: fixed per-request overhead dominates
-(the same rule as ``otelkv.analysis.model.per_token_compute_s``)."""
 
 
 def _create(spec: names.Metric, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
@@ -190,14 +188,8 @@ class SidecarMetrics:
     def _measure_compute(self, span: SpanRecord) -> None:
         """Seconds per computed prompt token of one finished prefill request: its span's
         duration minus its wait for remote KV, over the tokens it computed."""
-        a = span.attributes
-        computed = attr_float(a, names.TOKENS_COMPUTED)
-        if computed < MIN_COMPUTED_TOKENS or attr_str(a, names.REQUEST_OUTCOME) != names.OUTCOME_FINISHED:
-            return
-        compute_s = (span.end_ns - span.start_ns) / 1e9 - max(
-            attr_float(a, names.REMOTE_KV_WAIT_SECONDS), 0.0
-        )
-        if compute_s <= 0:
+        rate = request_compute_rate(span)
+        if rate is None:
             return
         engine = _engine(span)
         with self._rates_lock:
@@ -206,7 +198,7 @@ class SidecarMetrics:
                 if len(self._rates) >= MAX_ENGINES:
                     engine = ""
                 rates = self._rates.setdefault(engine, deque(maxlen=RATE_WINDOW))
-            rates.append(compute_s / computed)
+            rates.append(rate)
 
     def _price_pull(self, span: SpanRecord) -> None:
         """A finished pull's two parts: the recompute it avoided (pulled tokens times the

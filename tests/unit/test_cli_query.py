@@ -137,7 +137,12 @@ def test_conversation_and_why_via_sidecar_quote_ids(sidecar: str, capsys: pytest
 def test_not_found_via_sidecar(sidecar: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["why", "--sidecar", sidecar, "nope#3"], capsys)
     assert code == 3 and out == ""  # not found
-    assert err.strip() == "otelkv why: no turn 3 in conversation 'nope' (turn indexes are 0-based)"
+    assert err.strip().startswith("otelkv why: no conversation 'nope' in the store;")
+    code, out, err = run(["why", "--sidecar", sidecar, "conv-lapse#7"], capsys)
+    assert (
+        code == 3
+        and err.strip() == "otelkv why: no turn 7 in conversation 'conv-lapse' (turn indexes are 0-based)"
+    )
     code, _, err = run(["conversation", "--sidecar", sidecar, "a/b c"], capsys)
     assert code == 3 and "no turns for conversation 'a/b c'" in err and "Traceback" not in err
 

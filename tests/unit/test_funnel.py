@@ -523,3 +523,11 @@ def test_the_docs_name_every_step_and_reason() -> None:
     for sc in SCENARIOS:
         if sc.step is not None:
             assert f"`{sc.reason}`" in by_step[sc.step], (sc.step, sc.reason)
+    # The prefill node's own pull reasons the code can return at the pull step, scenario or not.
+    for reason in (
+        names.REASON_DECLINED_EXPIRED,
+        names.REASON_CONTINUITY_MISMATCH,
+        names.REASON_INVALID_HANDLE,
+        names.REASON_BIDIRECTIONAL_OFF,
+    ):
+        assert f"`{reason}`" in by_step[names.FUNNEL_PULLED], reason

@@ -422,3 +422,28 @@ def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
         loop.close()
         http.close()
         store.close()
+
+
+def test_why_names_a_shortened_table_id_and_prices_from_the_hour_before() -> None:
+    """A conversation id copied from a table with '..' gets told so, and why prices recomputing
+    from the engine requests of the hour before the turn, not only the turn and its predecessor."""
+    from otelkv.analysis.report import NotFound, diagnosis_context
+    from otelkv.spans import SpanRecord
+
+    source = InMemorySource(short_id_spans())
+    with pytest.raises(NotFound, match="shortened in tables"):
+        why(source, "conv-la..apse#1")
+
+    def prefill(duration_s: float, computed: int, wait_s: float = 0.0) -> SpanRecord:
+        return SpanRecord(
+            trace_id="a" * 32, span_id="b" * 16, parent_span_id="", name="kv_request prefill",
+            kind="Internal", start_ns=0, end_ns=int(duration_s * 1e9), resource={}, attributes={
+                names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: computed,
+                names.REQUEST_OUTCOME: names.OUTCOME_FINISHED, names.REMOTE_KV_WAIT_SECONDS: wait_s,
+            },
+        )  # fmt: skip
+
+    measured = [prefill(0.5, 100), prefill(0.3, 100, wait_s=0.2), prefill(0.1, 8), prefill(0.1, 100, 0.2)]
+    # 5 ms/token; 1 ms/token; too few tokens to measure; the wait covered the span
+    assert diagnosis_context([], measured=measured).per_token_s == pytest.approx(0.001)
+    assert diagnosis_context([], measured=[]).per_token_s is None

@@ -28,11 +28,8 @@ from typing import Any
 
 from otelkv import names
 from otelkv.analysis.diagnose import pull_seconds
-from otelkv.analysis.model import Leg, Turn
+from otelkv.analysis.model import MIN_COMPUTED_TOKENS, Leg, Turn
 from otelkv.analysis.tune.evidence import MIN_FIT_SAMPLES, MIN_SIZE_RATIO, Evidence, judge_fit
-
-MIN_COMPUTED_TOKENS = 16
-"""Prefill requests computing fewer tokens are left out: fixed overhead is all they measure."""
 
 METHOD_LEAST_SQUARES = "least_squares"
 METHOD_NONE = "none"
