@@ -50,9 +50,11 @@ def run_funnel(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _window(data: dict[str, Any]) -> str:
-    since = (data.get("since") or "?")[:19].replace("T", " ")
-    until = (data.get("until") or "now")[:19].replace("T", " ")
-    return f"{since} to {until} UTC" if data.get("until") else f"since {since} UTC"
+    """The window as the other tables write times: ``2026-12-02 07:33:02Z`` (UTC)."""
+    since = (data.get("since") or "?")[:19].replace("T", " ") + "Z"
+    if data.get("until"):
+        return f"{since} to {data['until'][:19].replace('T', ' ')}Z"
+    return f"since {since}"
 
 
 def _share(value: float | None) -> str:
