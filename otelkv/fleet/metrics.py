@@ -27,9 +27,11 @@ def total(text: str, name: str, where: Mapping[str, str] | None = None) -> float
 
 
 def by_label(text: str, name: str, label: str) -> dict[str, float]:
-    """Sum of a sample's values grouped by one label."""
+    """Sum of a sample's values grouped by one label, for the values that counted something:
+    otelkv exposes every known label set at 0 from the start, and a group still at 0 is left
+    out, so the answer is what happened."""
     out: dict[str, float] = {}
     for sample, labels, value in parse_samples(text):
         if sample == name and label in labels:
             out[labels[label]] = out.get(labels[label], 0.0) + value
-    return out
+    return {key: value for key, value in out.items() if value}
