@@ -43,6 +43,31 @@ def _bounds(n: int, prompt: int) -> list[tuple[int, int]]:
     return out
 
 
+def _chunk_count(n: int, prompt: int) -> int:
+    """``len(_bounds(n, prompt))`` without building the list."""
+    p = max(min(prompt, n), 0)
+    return -(-p // CHUNK_TOKENS) + -(-(n - p) // CHUNK_TOKENS)
+
+
+def _last_chunk_within(n: int, prompt: int, limit: int) -> tuple[int, int] | None:
+    """(index, end) of the last chunk of ``_bounds(n, prompt)`` that ends at or before
+    ``limit``, computed without building the bounds (None: no chunk does). The check runs in
+    the scheduler loop on every prefill request with a handle; the list of a 2,000-token
+    digest's 64 chunks cost more than hashing the prompt."""
+    p = max(min(prompt, n), 0)
+    first = -(-p // CHUNK_TOKENS)  # chunks of [0, p)
+    if limit < p:
+        count = limit // CHUNK_TOKENS
+        end = count * CHUNK_TOKENS
+    elif n <= limit:
+        count, end = _chunk_count(n, prompt), n
+    else:
+        full = (limit - p) // CHUNK_TOKENS  # whole chunks of [p, n) before limit
+        count = first + full
+        end = p + full * CHUNK_TOKENS
+    return (count - 1, end) if count > 0 else None
+
+
 def _raw(token_ids: Sequence[int], n: int) -> bytes:
     """The first ``n`` token ids as little-endian 64-bit integers (``struct``: about twice as
     fast as ``array`` from a list here)."""
@@ -95,9 +120,10 @@ class Check:
         return self.offered - self.matching if self.first_mismatch is None else 0
 
 
-def parse(value: Any) -> tuple[int, int, list[bytes]] | None:
-    """(covered tokens, previous prompt tokens, hashes) of a digest as :func:`digest` writes it;
-    None for anything else (a digest otelkv did not write is not used)."""
+def parse(value: Any) -> tuple[int, int, bytes] | None:
+    """(covered tokens, previous prompt tokens, the hashes end to end, :data:`HASH_BYTES` each)
+    of a digest as :func:`digest` writes it; None for anything else (a digest otelkv did not
+    write is not used)."""
     if not isinstance(value, dict):
         return None
     version, chunk, n, prompt = (value.get(k) for k in ("v", "chunk", "n", "prompt"))
@@ -112,10 +138,9 @@ def parse(value: Any) -> tuple[int, int, list[bytes]] | None:
         raw = base64.b64decode(text, validate=True)
     except ValueError:
         return None
-    count = len(_bounds(n, prompt))
-    if len(raw) != count * HASH_BYTES:
+    if len(raw) != _chunk_count(n, prompt) * HASH_BYTES:
         return None
-    return n, prompt, [raw[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
+    return n, prompt, raw
 
 
 def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: Any) -> Check | None:
@@ -130,19 +155,25 @@ def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: Any) -
         return None
     offered = max(min(remote, len(prompt_token_ids)), 0)
     # Only chunks wholly inside what is offered (and covered by the digest) are compared.
-    bounds = [(lo, hi) for lo, hi in _bounds(n, prev_prompt) if hi <= offered]
-    if not bounds:
+    found = _last_chunk_within(n, prev_prompt, offered)
+    if found is None:
         return Check(offered, 0, None, None)
-    raw = _raw(prompt_token_ids, bounds[-1][1])
-    last = len(bounds) - 1
+    last, end = found
+    raw = _raw(prompt_token_ids, end)
     # The usual case: one hash over the prompt's offered tokens (hash i covers every token up
     # to the end of chunk i) matches the last one compared.
-    if hashlib.blake2b(raw, digest_size=HASH_BYTES).digest() == hashes[last]:
-        return Check(offered, bounds[last][1], None, None)
+    if hashlib.blake2b(raw, digest_size=HASH_BYTES).digest() == hashes[last * HASH_BYTES : _end_of(last)]:
+        return Check(offered, end, None, None)
     # A mismatch: one chained pass finds the first chunk that differs (bisecting would rehash
     # from token 0 at each step, slower when the difference is late, as a re-rendered answer is).
-    for (lo, _), mine, theirs in zip(bounds, _hashes(raw, bounds), hashes, strict=False):
-        if mine != theirs:
+    bounds = _bounds(n, prev_prompt)[: last + 1]
+    for i, ((lo, _), mine) in enumerate(zip(bounds, _hashes(raw, bounds), strict=True)):
+        if mine != hashes[i * HASH_BYTES : _end_of(i)]:
             where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
             return Check(offered, lo, lo, where)
-    return Check(offered, bounds[last][1], None, None)  # unreachable unless BLAKE2b disagrees with itself
+    return Check(offered, end, None, None)  # unreachable unless BLAKE2b disagrees with itself
+
+
+def _end_of(index: int) -> int:
+    """Where hash ``index`` ends in a parsed digest's bytes."""
+    return (index + 1) * HASH_BYTES

@@ -140,3 +140,19 @@ def test_the_first_mismatch_is_the_first_chunk_with_a_different_token() -> None:
         else:
             assert got.first_mismatch is None
             assert got.matching == (compared[-1][1] if compared else 0)
+
+
+def test_chunk_arithmetic_agrees_with_the_chunk_list() -> None:
+    """The check finds its last chunk without building the chunk list: the same answer as the
+    list, for every length, previous prompt and limit up to a few chunks."""
+    from otelkv.engine.continuity import CHUNK_TOKENS, _bounds, _chunk_count, _last_chunk_within
+
+    span = 3 * CHUNK_TOKENS + 5
+    for n in range(1, span):
+        for prompt in range(0, n + 1):
+            bounds = _bounds(n, prompt)
+            assert _chunk_count(n, prompt) == len(bounds)
+            for limit in range(0, n + 2):
+                within = [i for i, (_, hi) in enumerate(bounds) if hi <= limit]
+                expected = (within[-1], bounds[within[-1]][1]) if within else None
+                assert _last_chunk_within(n, prompt, limit) == expected, (n, prompt, limit)

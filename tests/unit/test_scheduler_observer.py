@@ -381,7 +381,11 @@ def test_decode_hands_back_a_digest_and_prefill_checks_the_prompt_against_it() -
     written = returned[names.XARG_CONTINUITY]
     assert (written["n"], written["prompt"]) == (144, 128)  # the KV's tokens, not the last one
     n, prompt, hashes = continuity.parse(written)  # type: ignore[misc]
-    assert (n, prompt, len(hashes)) == (144, 128, 5)  # 4 chunks of prompt, 1 of answer
+    assert (n, prompt, len(hashes)) == (
+        144,
+        128,
+        5 * continuity.HASH_BYTES,
+    )  # 4 chunks of prompt, 1 of answer
     # A prefill node's own finished request (its handle for decode) gets no digest.
     p_obs, _ = make_observer()
     p_req = make_request({"do_remote_decode": True}, prompt=128)
