@@ -9,13 +9,12 @@ prefill seconds at stake) and under it the turns lost there, by reason.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, TextIO
 
 from otelkv import names
 from otelkv.cli import render
-from otelkv.cli.query_cmds import EXIT_ERROR, run_query, source_options
-from otelkv.cli.source import QueryError, window_ns
+from otelkv.cli.query_cmds import run_query, source_options
+from otelkv.cli.source import window_ns
 
 
 def add_funnel_command(subparsers: Any) -> None:
@@ -38,11 +37,8 @@ def add_funnel_command(subparsers: Any) -> None:
 
 
 def run_funnel(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    try:
-        since_ns, until_ns = window_ns(args.since, args.until)
-    except QueryError as exc:
-        print(f"otelkv funnel: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+    """A bad window raises :class:`QueryError`, which ``otelkv.cli.main.run`` prints as one line (exit 2)."""
+    since_ns, until_ns = window_ns(args.since, args.until)
     return run_query(args, lambda q: q.funnel(since_ns=since_ns, until_ns=until_ns), show_funnel, out)
 
 
