@@ -397,7 +397,8 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
     assert fleet.sidecar is not None
     fleet.sidecar.metrics.expire_tasks(time.time_ns() + int(names.CONVERSATION_IDLE_SECONDS * 1e9) + 1)
 
-    # Prometheus has scraped the final counts (the sidecar's turn counter is the last to move).
+    # Prometheus has scraped the final counts: the sidecar's turn counter, the engines' expiries
+    # and the task times just observed (a scrape that came before expire_tasks has none).
     turns_total = _sidecar_turns(fleet)
     expired = q.sel(q.counter(names.METRIC_RETENTIONS), (), q.eq(q.OUTCOME, names.RETENTION_EXPIRED))
     deadline = time.monotonic() + 20
@@ -405,11 +406,14 @@ def run(fleet: Fleet, prometheus: Prometheus) -> Run:
         now = time.time()
         scraped = prometheus.query(f"sum({q.counter(names.METRIC_TURNS)})", now)
         expiries = prometheus.query(f"sum({expired})", now)
+        tasks = prometheus.query(f"sum({names.METRIC_CONVERSATION_SECONDS}_count)", now)
         if (
             scraped
             and float(scraped[0]["value"][1]) == turns_total
             and expiries
             and float(expiries[0]["value"][1]) >= len(LAPSES)
+            and tasks
+            and float(tasks[0]["value"][1]) > 0
         ):
             break
         assert time.monotonic() < deadline, f"prometheus did not catch up: {scraped}"
