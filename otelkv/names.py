@@ -20,6 +20,7 @@ takes its values from one of the closed vocabularies at the end of this module.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Final
 
@@ -62,14 +63,17 @@ SPAN_TOOL: Final = "execute_tool {name}"
 """The agent driver's tool execution span (GenAI convention)."""
 
 
+@functools.lru_cache(maxsize=64)
 def engine_request_span_name(role: str) -> str:
     return SPAN_ENGINE_REQUEST.format(role=role)
 
 
+@functools.lru_cache(maxsize=64)
 def transfer_span_name(direction: str) -> str:
     return SPAN_TRANSFER.format(direction=direction)
 
 
+@functools.lru_cache(maxsize=64)
 def retention_span_name(kind: str) -> str:
     return SPAN_RETENTION.format(kind=kind)
 

@@ -88,6 +88,9 @@ class EngineSettings:
     block_size: int | None = None
     kv_cache_dtype: str = ""
     prefix_caching: bool | None = None
+    prefix_hash_algo: str | None = None
+    """vLLM's ``prefix_caching_hash_algo``: whether block hashes may leave the engine
+    (:mod:`otelkv.engine.continuity`)."""
     continuity: str = names.CONTINUITY_MODE_OBSERVE
     """What the prefill node does with a decode handle whose KV belongs to other tokens:
     ``observe`` records it and lets vLLM load it, ``guard`` makes vLLM recompute."""
@@ -168,6 +171,9 @@ def settings_from_vllm_config(vllm_config: Any, environ: dict[str, str] | None =
         block_size=block_size,
         kv_cache_dtype=kv_dtype,
         prefix_caching=prefix_caching,
+        prefix_hash_algo=_text_or_none(
+            getattr(getattr(vllm_config, "cache_config", None), "prefix_caching_hash_algo", None)
+        ),
         continuity=continuity,
     )
 
@@ -184,3 +190,7 @@ def _cache_facts(vllm_config: Any) -> tuple[int | None, str, bool | None]:
         dtype = str(model_dtype).removeprefix("torch.") if model_dtype is not None else dtype
     caching = getattr(cache, "enable_prefix_caching", None)
     return block_size, dtype, caching if isinstance(caching, bool) else None
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None

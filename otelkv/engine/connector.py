@@ -427,7 +427,7 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        ours = meta if isinstance(meta, OtelKVWorkerMeta) else None
+        ours = meta if type(meta) is OtelKVWorkerMeta else None  # not isinstance: an ABC's check costs ~1 us
         if ours is not None:
             # The inner connector (and anything in vLLM after it) sees its own worker
             # meta, exactly as without otelkv. In place: copying the output cost ~0.1 ms.

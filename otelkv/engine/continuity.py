@@ -1,109 +1,156 @@
-"""Does the KV a decode handle names belong to the new prompt? A digest of token ids and its check.
+"""Does the KV a decode handle names belong to the new prompt? A digest of vLLM's block hashes and its check.
 
 vLLM 0.32's prefill node loads ``min(remote_num_tokens, prompt) - local hit`` tokens of KV
 from the decode node without comparing token ids: history rewritten under one conversation
 id (compaction, an edited message) loads KV computed for other tokens. The decode node's
-otelkv therefore adds to the handle it returns a digest of the token ids its KV covers
+otelkv therefore adds to the handle it returns a digest of what its KV covers
 (:func:`digest`), and the prefill node's otelkv checks the new prompt against it
 (:func:`check`) when the request arrives.
 
-The digest is a chain of 8-byte BLAKE2b hashes, one per chunk of :data:`CHUNK_TOKENS`
-tokens (hash i covers every token up to the end of chunk i). Chunks restart where the
-previous prompt ended, so no chunk holds both prompt and answer tokens and a mismatch is
-placed in the history or in the answer exactly: about 32 hashes, 256 bytes (344 characters
-of base64) per 1,000 tokens. Token ids are hashed as little-endian 64-bit integers. Routers
-pass the digest through with the rest of ``kv_transfer_params``; vLLM's connector reads only
-its own keys. The hashes are not keyed: whoever sees a handle can confirm a guessed prefix.
+Both sides reuse the block hashes vLLM already keeps on every request (``request.block_hashes``,
+computed for prefix caching and for KV connectors whether or not otelkv runs): hash *i*
+covers every token of blocks 0..*i*, and the multimodal inputs, LoRA and cache salt that
+shape their KV. So the check costs no hashing of the prompt: the common case compares one
+8-byte prefix of a hash the engine has computed anyway. The digest carries the first
+:data:`HASH_BYTES` bytes of every ``stride``-th block's hash (a chunk of about
+:data:`CHUNK_TOKENS` tokens) and of the last whole block's, so a mismatch is placed to its
+chunk; and two BLAKE2b hashes, each over the block hash before a block and that block's
+tokens up to a point: the previous prompt's end (which tells whether a chunk holding both
+prompt and answer tokens differs in the earlier **history** or in the previous **answer**)
+and the end of the KV (whose last block vLLM does not hash while it is partial). About 256
+bytes per 1,000 tokens.
+
+The hashes are comparable only between engines that hash alike: the same hash block size and
+the same ``NONE_HASH`` (vLLM derives it from ``prefix_caching_hash_algo`` and
+``PYTHONHASHSEED``). The digest states both (:class:`Hashing`); a prefill node that hashes
+otherwise compares nothing (every offered token ``unverified``) rather than reporting a
+mismatch that is not one. With a non-cryptographic hash (``xxhash``) vLLM's seed is secret and
+its hashes must not leave the engine, so no digest is written. The hashes are not keyed:
+whoever sees a handle can confirm a guessed prefix.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from otelkv import names
 
 CHUNK_TOKENS = 32
+"""Placement granularity: a digest keeps one hash per ``ceil(32 / block size)`` blocks."""
 HASH_BYTES = 8
-VERSION = 2
+VERSION = 3
 MAX_TOKENS = 1 << 15
-"""Longer KV is not digested (its handle then carries none): 32,768 tokens make an 11 KB
-digest and cost a few milliseconds in the scheduler loop."""
+"""Longer KV is not digested (its handle then carries none): 32,768 tokens make an 11 KB digest."""
+CRYPTOGRAPHIC_ALGOS = frozenset({"sha256", "sha256_cbor"})
+"""vLLM ``prefix_caching_hash_algo`` values whose block hashes may leave the engine."""
 
 
-def _bounds(n: int, prompt: int) -> list[tuple[int, int]]:
-    """Chunk boundaries over ``[0, n)``, restarting at ``prompt`` (when inside)."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in ((0, min(prompt, n)), (max(prompt, 0), n)):
-        out.extend((s, min(s + CHUNK_TOKENS, hi)) for s in range(lo, hi, CHUNK_TOKENS))
-    return out
+class Hashing(NamedTuple):
+    """How an engine hashes blocks: what two engines must share for their hashes to compare."""
+
+    block_size: int
+    """Tokens per ``request.block_hashes`` entry (vLLM's hash block size)."""
+    seed: bytes
+    """The first :data:`HASH_BYTES` bytes of vLLM's ``NONE_HASH`` (algorithm and seed in one)."""
+
+    @property
+    def seed_text(self) -> str:
+        """:attr:`seed` as a digest states it (base64)."""
+        return _seed_text(self.seed)
+
+    @property
+    def stride(self) -> int:
+        """Blocks per digest entry."""
+        return max(1, -(-CHUNK_TOKENS // self.block_size))
 
 
-def _chunk_count(n: int, prompt: int) -> int:
-    """``len(_bounds(n, prompt))`` without building the list."""
-    p = max(min(prompt, n), 0)
-    return -(-p // CHUNK_TOKENS) + -(-(n - p) // CHUNK_TOKENS)
+@functools.lru_cache(maxsize=8)
+def _seed_text(seed: bytes) -> str:
+    return base64.b64encode(seed).decode("ascii")
 
 
-def _last_chunk_within(n: int, prompt: int, limit: int) -> tuple[int, int] | None:
-    """(index, end) of the last chunk of ``_bounds(n, prompt)`` that ends at or before
-    ``limit``, computed without building the bounds (None: no chunk does). The check runs in
-    the scheduler loop on every prefill request with a handle; the list of a 2,000-token
-    digest's 64 chunks cost more than hashing the prompt."""
-    p = max(min(prompt, n), 0)
-    first = -(-p // CHUNK_TOKENS)  # chunks of [0, p)
-    if limit < p:
-        count = limit // CHUNK_TOKENS
-        end = count * CHUNK_TOKENS
-    elif n <= limit:
-        count, end = _chunk_count(n, prompt), n
-    else:
-        full = (limit - p) // CHUNK_TOKENS  # whole chunks of [p, n) before limit
-        count = first + full
-        end = p + full * CHUNK_TOKENS
-    return (count - 1, end) if count > 0 else None
+def vllm_hashing(block_size: int | None, algo: str | None) -> Hashing | None:
+    """This engine's :class:`Hashing`, read from vLLM once its EngineCore has set
+    ``NONE_HASH`` (after the connector is built); None before, or when its hashes must not
+    leave the engine."""
+    if not block_size or block_size <= 0 or algo not in CRYPTOGRAPHIC_ALGOS:
+        return None
+    from vllm.v1.core import kv_cache_utils
+
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    if not isinstance(none_hash, bytes) or len(none_hash) < HASH_BYTES:
+        return None
+    return Hashing(int(block_size), bytes(none_hash[:HASH_BYTES]))
 
 
-def _raw(token_ids: Sequence[int], n: int) -> bytes:
-    """The first ``n`` token ids as little-endian 64-bit integers (``struct``: about twice as
-    fast as ``array`` from a list here)."""
-    ids = token_ids[:n]
-    return struct.pack(f"<{len(ids)}q", *ids)
+def _entries(blocks: int, stride: int) -> int:
+    """How many block hashes a digest of ``blocks`` whole blocks keeps."""
+    return -(-blocks // stride)
 
 
-def _hashes(raw: bytes, bounds: Sequence[tuple[int, int]]) -> Iterator[bytes]:
-    """The chained hash at the end of each chunk of ``raw`` (token ids as :func:`_raw` packs
-    them): the hash of every token up to that chunk's end, computed lazily."""
-    chain = hashlib.blake2b(digest_size=HASH_BYTES)
-    for lo, hi in bounds:
-        chain.update(raw[lo * 8 : hi * 8])
-        yield chain.copy().digest()
+def _entry_block(i: int, blocks: int, stride: int) -> int:
+    """The block whose hash is entry ``i``: every ``stride``-th block, and the last one."""
+    return min((i + 1) * stride, blocks) - 1
 
 
-def digest(token_ids: Sequence[int], num_tokens: int, prompt_tokens: int) -> dict[str, Any] | None:
-    """The digest of the first ``num_tokens`` token ids (those whose KV the decode node holds);
-    ``prompt_tokens`` marks where the previous prompt ended and its answer began. None when
-    there is nothing to digest or too much."""
+def _chained(block_hashes: Sequence[bytes], token_ids: Sequence[int], end: int, block_size: int) -> bytes:
+    """BLAKE2b of the block hash before the block holding token ``end`` and the tokens of
+    that block before ``end``: equal on both sides exactly when every token before ``end`` is
+    (vLLM hashes only whole blocks; this covers a prompt's or the KV's end inside one)."""
+    whole = end // block_size
+    tail = token_ids[whole * block_size : end]
+    parent = block_hashes[whole - 1] if whole else b""
+    data = parent + struct.pack(f"<{len(tail)}q", *tail)
+    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+
+
+def _text(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def digest(
+    block_hashes: Sequence[bytes],
+    token_ids: Sequence[int],
+    num_tokens: int,
+    prompt_tokens: int,
+    hashing: Hashing,
+) -> dict[str, Any] | None:
+    """The digest of the KV a decode request holds: ``num_tokens`` computed tokens of
+    ``token_ids`` (prompt then answer; ``prompt_tokens`` marks where the previous prompt
+    ended), with ``block_hashes`` as vLLM computed them over ``token_ids``. None when there is
+    nothing to digest, too much, or the hashes are not at ``hashing.block_size`` granularity."""
+    size = hashing.block_size
+    if len(block_hashes) != len(token_ids) // size:
+        return None  # vLLM hashes at another granularity (a hybrid model): no comparable digest
     n = min(int(num_tokens), len(token_ids))
     if n <= 0 or n > MAX_TOKENS:
         return None
+    blocks = n // size
     prompt = max(min(int(prompt_tokens), n), 0)
+    stride = hashing.stride
+    picked = block_hashes[stride - 1 : blocks : stride]
+    if blocks % stride:
+        picked = [*picked, block_hashes[blocks - 1]]
     return {
         "v": VERSION,
-        "chunk": CHUNK_TOKENS,
+        "bs": size,
+        "s": hashing.seed_text,
         "n": n,
         "prompt": prompt,
-        "h": base64.b64encode(b"".join(_hashes(_raw(token_ids, n), _bounds(n, prompt)))).decode("ascii"),
+        "h": _text(b"".join([h[:HASH_BYTES] for h in picked])),
+        "p": _text(_chained(block_hashes, token_ids, prompt, size)),
+        "t": _text(_chained(block_hashes, token_ids, n, size)),
     }
 
 
-@dataclass(frozen=True)
-class Check:
-    """The new prompt against the tokens the handle's KV was computed for."""
+class Check(NamedTuple):
+    """The new prompt against the tokens the handle's KV was computed for (a tuple: one is
+    built per prefill request with a handle, in the scheduler loop)."""
 
     offered: int
     """Tokens of this prompt the handle offers (``min(remote_num_tokens, prompt)``): what vLLM loads."""
@@ -113,67 +160,133 @@ class Check:
     """Where the first differing chunk starts (None: none differs)."""
     mismatch_in: str | None
     """``history`` (the previous prompt) or ``answer`` (the previous answer)."""
+    comparable: bool = True
+    """False: the decode node hashes blocks otherwise (block size, algorithm or seed), so
+    nothing was compared and every offered token is unverified."""
 
     @property
     def unverified(self) -> int:
-        """Offered tokens neither matched nor refuted (a partial chunk, or beyond the digest)."""
+        """Offered tokens neither matched nor refuted (a partial block, or beyond the digest)."""
         return self.offered - self.matching if self.first_mismatch is None else 0
 
 
-def parse(value: Any) -> tuple[int, int, bytes] | None:
-    """(covered tokens, previous prompt tokens, the hashes end to end, :data:`HASH_BYTES` each)
-    of a digest as :func:`digest` writes it; None for anything else (a digest otelkv did not
-    write is not used)."""
-    if not isinstance(value, dict):
-        return None
-    version, chunk, n, prompt = (value.get(k) for k in ("v", "chunk", "n", "prompt"))
-    text = value.get("h")
-    if not all(type(x) is int for x in (version, chunk, n, prompt)) or not isinstance(text, str):
-        return None  # type(), not isinstance(): JSON true is no number here
-    if version != VERSION or chunk != CHUNK_TOKENS or not 0 < n <= MAX_TOKENS or not 0 <= prompt <= n:
-        return None
-    if len(text) > 2 * n * HASH_BYTES:
-        return None
+class Parsed(NamedTuple):
+    """A digest as :func:`digest` writes it; the hashes decoded, the rest as written (decoded
+    only when a check needs them)."""
+
+    block_size: int
+    seed_text: str
+    n: int
+    prompt: int
+    hashes: bytes
+    prompt_hash_text: str
+    tail_hash_text: str
+
+    @property
+    def hashing(self) -> Hashing | None:
+        """The decode node's block hashing (None: a seed that is no base64 of 8 bytes)."""
+        seed = _b64(self.seed_text)
+        return Hashing(self.block_size, seed) if seed is not None and len(seed) == HASH_BYTES else None
+
+
+_MAX_TEXT = 4 * (MAX_TOKENS // CHUNK_TOKENS + 2) * HASH_BYTES
+
+
+def _b64(text: str) -> bytes | None:
     try:
-        raw = base64.b64decode(text, validate=True)
+        return base64.b64decode(text, validate=True)
     except ValueError:
         return None
-    if len(raw) != _chunk_count(n, prompt) * HASH_BYTES:
+
+
+def parse(value: Any) -> Parsed | None:
+    """The digest :func:`digest` wrote; None for anything else (a digest otelkv did not
+    write, or an older version, is not used)."""
+    if not isinstance(value, dict):
         return None
-    return n, prompt, raw
+    version, size, n, prompt = value.get("v"), value.get("bs"), value.get("n"), value.get("prompt")
+    if type(version) is not int or type(size) is not int or type(n) is not int or type(prompt) is not int:
+        return None  # type(), not isinstance(): JSON true is no number here
+    if version != VERSION or size <= 0 or not 0 < n <= MAX_TOKENS or not 0 <= prompt <= n:
+        return None
+    seed, prompt_hash, tail_hash, text = value.get("s"), value.get("p"), value.get("t"), value.get("h")
+    if not all(type(x) is str and len(x) == _B64_HASH for x in (seed, prompt_hash, tail_hash)):
+        return None
+    if type(text) is not str or len(text) > _MAX_TEXT:
+        return None
+    hashes = _b64(text)
+    if hashes is None or len(hashes) != _entries(n // size, max(1, -(-CHUNK_TOKENS // size))) * HASH_BYTES:
+        return None
+    return Parsed(size, seed, n, prompt, hashes, prompt_hash, tail_hash)
 
 
-def check(value: Any, prompt_token_ids: Sequence[int], remote_num_tokens: Any) -> Check | None:
-    """The prompt checked against a digest (None: no usable digest)."""
+_B64_HASH = len(base64.b64encode(bytes(HASH_BYTES)))
+
+
+def check(
+    value: Any,
+    block_hashes: Sequence[bytes],
+    token_ids: Sequence[int],
+    remote_num_tokens: Any,
+    hashing: Hashing | None,
+) -> Check | None:
+    """The prompt (``token_ids``, with vLLM's ``block_hashes`` of it) checked against a
+    digest; None when there is no usable digest. ``hashing``: this engine's (None: unknown,
+    nothing is compared)."""
     parsed = parse(value)
     if parsed is None:
         return None
-    n, prev_prompt, hashes = parsed
     try:
         remote = int(remote_num_tokens or 0)
     except (TypeError, ValueError):
         return None
-    offered = max(min(remote, len(prompt_token_ids)), 0)
-    # Only chunks wholly inside what is offered (and covered by the digest) are compared.
-    found = _last_chunk_within(n, prev_prompt, offered)
-    if found is None:
-        return Check(offered, 0, None, None)
-    last, end = found
-    raw = _raw(prompt_token_ids, end)
-    # The usual case: one hash over the prompt's offered tokens (hash i covers every token up
-    # to the end of chunk i) matches the last one compared.
-    if hashlib.blake2b(raw, digest_size=HASH_BYTES).digest() == hashes[last * HASH_BYTES : _end_of(last)]:
-        return Check(offered, end, None, None)
-    # A mismatch: one chained pass finds the first chunk that differs (bisecting would rehash
-    # from token 0 at each step, slower when the difference is late, as a re-rendered answer is).
-    bounds = _bounds(n, prev_prompt)[: last + 1]
-    for i, ((lo, _), mine) in enumerate(zip(bounds, _hashes(raw, bounds), strict=True)):
-        if mine != hashes[i * HASH_BYTES : _end_of(i)]:
-            where = names.CONTINUITY_IN_HISTORY if lo < prev_prompt else names.CONTINUITY_IN_ANSWER
-            return Check(offered, lo, lo, where)
-    return Check(offered, end, None, None)  # unreachable unless BLAKE2b disagrees with itself
+    offered = max(min(remote, len(token_ids)), 0)
+    if (
+        hashing is None
+        or parsed.block_size != hashing.block_size
+        or parsed.seed_text != hashing.seed_text
+        or len(block_hashes) < len(token_ids) // hashing.block_size
+    ):
+        return Check(offered, 0, None, None, comparable=False)
+    size, stride, n = hashing.block_size, hashing.stride, parsed.n
+    blocks = n // size
+    limit = min(offered, n) // size  # whole blocks that are offered and covered
+    # Digest entries whose block lies inside the limit: the stride multiples, and the last block.
+    entries = _entries(blocks, stride) if limit >= blocks else limit // stride
+    tail = offered >= n > blocks * size  # the KV ends inside a block, and all of it is offered
+    hashes = parsed.hashes
+    last = _entry_block(entries - 1, blocks, stride) if entries else -1
+    # The usual case: hash i covers every block up to i, so one comparison checks them all.
+    if (
+        entries == 0
+        or block_hashes[last][:HASH_BYTES] == hashes[(entries - 1) * HASH_BYTES : entries * HASH_BYTES]
+    ):
+        if not tail:
+            return Check(offered, (last + 1) * size, None, None)
+        if _text(_chained(block_hashes, token_ids, n, size)) == parsed.tail_hash_text:
+            return Check(offered, n, None, None)
+        return _placed(parsed, offered, blocks * size, n, block_hashes, token_ids)
+    lo = 0
+    for i in range(entries):
+        block = _entry_block(i, blocks, stride)
+        hi = (block + 1) * size
+        if block_hashes[block][:HASH_BYTES] != hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES]:
+            return _placed(parsed, offered, lo, hi, block_hashes, token_ids)
+        lo = hi
+    return Check(offered, (last + 1) * size, None, None)  # unreachable: the last entry differed
 
 
-def _end_of(index: int) -> int:
-    """Where hash ``index`` ends in a parsed digest's bytes."""
-    return (index + 1) * HASH_BYTES
+def _placed(
+    parsed: Parsed, offered: int, lo: int, hi: int, block_hashes: Sequence[bytes], token_ids: Sequence[int]
+) -> Check:
+    """The mismatch in tokens ``[lo, hi)``, the first range that differs: in the history or
+    in the answer, by the previous prompt's end."""
+    prev = parsed.prompt
+    if hi <= prev:
+        return Check(offered, lo, lo, names.CONTINUITY_IN_HISTORY)
+    if lo >= prev:
+        return Check(offered, lo, lo, names.CONTINUITY_IN_ANSWER)
+    # The range holds the previous prompt's end: is the history in it intact?
+    if _text(_chained(block_hashes, token_ids, prev, parsed.block_size)) == parsed.prompt_hash_text:
+        return Check(offered, prev, prev, names.CONTINUITY_IN_ANSWER)
+    return Check(offered, lo, lo, names.CONTINUITY_IN_HISTORY)

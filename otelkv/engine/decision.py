@@ -10,12 +10,11 @@ instead of publishing a wrong reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from otelkv import names
 
-_HANDLE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_HANDLE_KEYS = frozenset(("remote_engine_id", "remote_request_id", "remote_host", "remote_port"))
 
 
 def role_of(params: Mapping[str, Any] | None) -> str:
@@ -28,8 +27,10 @@ def role_of(params: Mapping[str, Any] | None) -> str:
     return names.ROLE_UNIFIED
 
 
-@dataclass(frozen=True)
-class PullDecision:
+class PullDecision(NamedTuple):
+    """What the prefill node's connector decided for a decode handle, and the handle's facts
+    (a tuple: built on every prefill request in the scheduler loop)."""
+
     decision: str
     reason: str
     remote_reusable: int
@@ -55,35 +56,38 @@ def decide_reverse_pull(
     block_ids = params.get("remote_block_ids")
     remote_engine = params.get("remote_engine_id")
     remote_request = params.get("remote_request_id")
-    remote_blocks = sum(len(g) for g in block_ids if isinstance(g, (list, tuple))) if block_ids else 0
-    common = {
-        "remote_engine_id": str(remote_engine) if remote_engine is not None else None,
-        "remote_request_id": str(remote_request) if remote_request is not None else None,
-        "remote_blocks": remote_blocks,
-    }
-    if not block_ids:
-        return PullDecision(names.DECISION_RECOMPUTE, names.REASON_NO_DECODE_HANDLE, 0, **common)
-    if not all(key in params for key in _HANDLE_KEYS):
-        return PullDecision(names.DECISION_RECOMPUTE, names.REASON_INVALID_HANDLE, 0, **common)
+    engine = str(remote_engine) if remote_engine is not None else None
+    request = str(remote_request) if remote_request is not None else None
+    blocks = 0
+    if block_ids:
+        for group in block_ids:
+            if isinstance(group, (list, tuple)):
+                blocks += len(group)
+    else:
+        return PullDecision(
+            names.DECISION_RECOMPUTE, names.REASON_NO_DECODE_HANDLE, 0, None, engine, request, blocks
+        )
+    if not (
+        params.keys() >= _HANDLE_KEYS if isinstance(params, dict) else all(k in params for k in _HANDLE_KEYS)
+    ):
+        return PullDecision(
+            names.DECISION_RECOMPUTE, names.REASON_INVALID_HANDLE, 0, None, engine, request, blocks
+        )
     try:
         remote_num_tokens = int(params.get("remote_num_tokens") or 0)
     except (TypeError, ValueError):
-        return PullDecision(names.DECISION_RECOMPUTE, names.REASON_INVALID_HANDLE, 0, **common)
+        return PullDecision(
+            names.DECISION_RECOMPUTE, names.REASON_INVALID_HANDLE, 0, None, engine, request, blocks
+        )
     count = min(remote_num_tokens, num_prompt_tokens) - local_hit
     if count <= 0:
-        return PullDecision(
-            names.DECISION_RECOMPUTE,
-            names.REASON_NOTHING_BEYOND_LOCAL_HIT,
-            0,
-            remote_num_tokens,
-            **common,
-        )
-    if threshold > 0 and count < threshold:
-        return PullDecision(
-            names.DECISION_RECOMPUTE, names.REASON_BELOW_THRESHOLD, count, remote_num_tokens, **common
-        )
-    reason = names.REASON_PULLED if bidirectional else names.REASON_BIDIRECTIONAL_OFF
-    return PullDecision(names.DECISION_PULL, reason, count, remote_num_tokens, **common)
+        reason, decision, count = names.REASON_NOTHING_BEYOND_LOCAL_HIT, names.DECISION_RECOMPUTE, 0
+    elif threshold > 0 and count < threshold:
+        reason, decision = names.REASON_BELOW_THRESHOLD, names.DECISION_RECOMPUTE
+    else:
+        reason = names.REASON_PULLED if bidirectional else names.REASON_BIDIRECTIONAL_OFF
+        decision = names.DECISION_PULL
+    return PullDecision(decision, reason, count, remote_num_tokens, engine, request, blocks)
 
 
 def agrees_with_connector(decision: PullDecision, matched: int | None) -> bool:

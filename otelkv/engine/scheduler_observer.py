@@ -18,8 +18,10 @@ Every public method is wrapped by :func:`~otelkv.engine.guard.guarded`.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.trace import StatusCode
@@ -29,8 +31,10 @@ from otelkv.engine import continuity
 from otelkv.engine.config import EngineSettings
 from otelkv.engine.decision import PullDecision, agrees_with_connector, decide_reverse_pull, role_of
 from otelkv.engine.guard import ErrorLedger, guarded
-from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord, new_payload, payload_is_empty, series_key
+from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord, series_key
 from otelkv.engine.span_export import FinishedSpan, new_span_id, new_trace_id
+
+logger = logging.getLogger("vllm.otelkv")
 
 # vLLM RequestStatus names (compared by name: the enum's values are not an API).
 _FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"}
@@ -41,10 +45,21 @@ _PENDING_FINISH_GRACE_S = 5.0
 reported as abandoned (an abort while the read is in flight reports it later, if ever)."""
 
 
+_HEX = frozenset("0123456789abcdef")
+_UNSET = StatusCode.UNSET.value
+_ERROR = StatusCode.ERROR.value
+
+
+@functools.lru_cache(maxsize=4096)
+def _series(*key: str) -> str:
+    """The payload's key of a series (label values are few: the cache holds them all)."""
+    return series_key(*key)
+
+
 def base_request_id(request_id: str) -> str:
     """Strip vLLM's ``-xxxxxxxx`` internal suffix (vLLM ``nixl/utils.get_base_request_id``)."""
     head, sep, tail = request_id.rpartition("-")
-    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+    if sep and len(tail) == 8 and _HEX.issuperset(tail):
         return head
     return request_id
 
@@ -133,34 +148,51 @@ class SchedulerObserver:
         self._waiting: dict[str, float] = {}  # insertion-ordered: oldest first
         self._pending_finish: dict[str, float] = {}  # likewise
         self._retained_blocks: dict[str, int] = {k: 0 for k in names.RETENTION_KINDS}
-        self._payload = new_payload()
+        # This step's observations, keyed by (metric, *labels): joined into the payload's
+        # string keys once per step (take_payload), not once per observation.
+        self._counts: dict[tuple[str, ...], float] = {}
+        self._observed: dict[tuple[str, ...], list[float]] = {}
+        self._gauge_kinds: set[str] = set()
         # Engine-wide facts (connector, configuration in force) are resource attributes
         # (see resource_attributes); spans carry what varies by request.
         self._static_attrs: dict[str, Any] = {names.GEN_AI_REQUEST_MODEL: settings.model}
+        self._hashing: continuity.Hashing | None = None
+        self._warned_hashing = False
 
     # ------------------------------------------------------------------ metrics
 
-    def _count(self, metric: str, *labels: str, value: float = 1) -> None:
-        key = series_key(metric, *labels)
-        counters = self._payload["c"]
-        counters[key] = counters.get(key, 0) + value
+    def _count(self, *key: str, value: float = 1) -> None:
+        """Add ``value`` to the counter ``key`` = (metric, *label values)."""
+        counts = self._counts
+        counts[key] = counts.get(key, 0) + value
 
-    def _observe(self, metric: str, value: float, *labels: str) -> None:
-        self._payload["h"].setdefault(series_key(metric, *labels), []).append(value)
-
-    def _set_retained_gauges(self, kind: str) -> None:
-        blocks = self._retained_blocks[kind]
-        self._payload["g"][series_key(names.METRIC_RETAINED_BLOCKS, kind)] = blocks
-        self._payload["g"][series_key(names.METRIC_RETAINED_BYTES, kind)] = blocks * self._bytes_per_block
+    def _observe(self, value: float, *key: str) -> None:
+        """One histogram observation of ``key`` = (metric, *label values)."""
+        found = self._observed.get(key)
+        if found is None:
+            self._observed[key] = [value]
+        else:
+            found.append(value)
 
     def take_payload(self) -> dict[str, dict[str, Any]] | None:
         """This step's metric observations (and caught errors), or None if there are none."""
         errors = self.errors.drain()
         for site, n in errors.items():
             self._count(names.METRIC_INSTRUMENTATION_ERRORS, site, value=n)
-        if payload_is_empty(self._payload):
+        if not (self._counts or self._observed or self._gauge_kinds):
             return None
-        payload, self._payload = self._payload, new_payload()
+        gauges = {}
+        for kind in self._gauge_kinds:
+            blocks = self._retained_blocks[kind]
+            gauges[_series(names.METRIC_RETAINED_BLOCKS, kind)] = blocks
+            gauges[_series(names.METRIC_RETAINED_BYTES, kind)] = blocks * self._bytes_per_block
+        payload = {
+            "c": {_series(*key): value for key, value in self._counts.items()},
+            "h": {_series(*key): values for key, values in self._observed.items()},
+            "g": gauges,
+        }
+        self._counts, self._observed = {}, {}
+        self._gauge_kinds.clear()
         return payload
 
     # ------------------------------------------------------------------ hooks
@@ -245,8 +277,8 @@ class SchedulerObserver:
                 bidirectional=self.settings.bidirectional,
             )
             if state.refused and state.decision.decision == names.DECISION_PULL:
-                state.decision = replace(
-                    state.decision, decision=names.DECISION_RECOMPUTE, reason=names.REASON_CONTINUITY_MISMATCH
+                state.decision = state.decision._replace(
+                    decision=names.DECISION_RECOMPUTE, reason=names.REASON_CONTINUITY_MISMATCH
                 )
             if not state.continuity_checked:  # after the decision: a failure here loses only itself
                 self._check_continuity(state, request)
@@ -283,11 +315,30 @@ class SchedulerObserver:
         ):
             return
         state.continuity_checked = True
-        state.continuity = continuity.check(
+        found = continuity.check(
             params.get(names.XARG_CONTINUITY),
+            getattr(request, "block_hashes", None) or (),
             getattr(request, "prompt_token_ids", None) or (),
             params.get("remote_num_tokens") or 0,
+            self._block_hashing(),
         )
+        if found is not None and not found.comparable and not self._warned_hashing:
+            self._warned_hashing = True
+            logger.warning(
+                "otelkv: this engine (block size %s, prefix_caching_hash_algo %s) cannot compare "
+                "the block hashes in decode handles: the decode node hashes with another block "
+                "size, algorithm or PYTHONHASHSEED, or this engine's hashes must stay inside it; "
+                "the KV they offer is counted unverified",
+                self.settings.block_size,
+                self.settings.prefix_hash_algo,
+            )
+        state.continuity = found
+
+    def _block_hashing(self) -> continuity.Hashing | None:
+        """This engine's block hashing, read once vLLM has set it up (after this observer)."""
+        if self._hashing is None:
+            self._hashing = continuity.vllm_hashing(self.settings.block_size, self.settings.prefix_hash_algo)
+        return self._hashing
 
     def _record_continuity(
         self, attrs: dict[str, Any], check: continuity.Check | None, *, refused: bool
@@ -437,7 +488,7 @@ class SchedulerObserver:
         if record is not None and record.bytes:
             self._count(names.METRIC_TRANSFER_BYTES, direction, backend, value=record.bytes)
         if record is not None and outcome == names.TRANSFER_OK and record.handles:
-            self._observe(names.METRIC_TRANSFER_SECONDS, record.xfer_s, direction, backend)
+            self._observe(record.xfer_s, names.METRIC_TRANSFER_SECONDS, direction, backend)
 
         decision = state.decision
         attrs: dict[str, Any] = {
@@ -473,7 +524,9 @@ class SchedulerObserver:
         if state is None:
             return
         self._waiting.pop(state.request_id, None)
-        status = getattr(request.status, "name", str(request.status))
+        status = getattr(request.status, "name", None)
+        if status is None:
+            status = str(request.status)
         params = result[1]
         if (
             state.role == names.ROLE_DECODE
@@ -482,10 +535,17 @@ class SchedulerObserver:
             and params.get("remote_block_ids")
         ):
             # The handle this decode request hands back names KV for these token ids.
-            found = continuity.digest(
-                getattr(request, "all_token_ids", None) or (),
-                getattr(request, "num_computed_tokens", 0) or 0,
-                request.num_prompt_tokens,
+            hashing = self._block_hashing()
+            found = (
+                continuity.digest(
+                    getattr(request, "block_hashes", None) or (),
+                    getattr(request, "all_token_ids", None) or (),
+                    getattr(request, "num_computed_tokens", 0) or 0,
+                    request.num_prompt_tokens,
+                    hashing,
+                )
+                if hashing is not None
+                else None
             )
             if found is not None:
                 params[names.XARG_CONTINUITY] = found
@@ -590,7 +650,7 @@ class SchedulerObserver:
                     state.start_ns,
                     time.time_ns(),
                     attrs,
-                    StatusCode.ERROR.value if failed else StatusCode.UNSET.value,
+                    _ERROR if failed else _UNSET,
                     message if failed else None,
                 )
             )
@@ -611,7 +671,7 @@ class SchedulerObserver:
                 transfer.start_ns,
                 transfer.end_ns,
                 transfer.attributes,
-                StatusCode.ERROR.value if transfer.error else StatusCode.UNSET.value,
+                _ERROR if transfer.error else _UNSET,
                 transfer.error,
             )
         )
@@ -633,7 +693,7 @@ class SchedulerObserver:
         nbytes = blocks * self._bytes_per_block
         state.retention = _Retention(kind, time.time_ns(), blocks, nbytes, ttl, now, deadline)
         self._retained_blocks[kind] += blocks
-        self._set_retained_gauges(kind)
+        self._gauge_kinds.add(kind)
 
     def _end_retention(self, state: _Request, outcome: str | None = None) -> None:
         retention = state.retention
@@ -652,7 +712,7 @@ class SchedulerObserver:
         self._count(names.METRIC_RETENTIONS, retention.kind, outcome)
         self._count(names.METRIC_RETENTION_BLOCK_SECONDS, retention.kind, value=block_seconds)
         self._retained_blocks[retention.kind] -= retention.blocks
-        self._set_retained_gauges(retention.kind)
+        self._gauge_kinds.add(retention.kind)
         if self._writer.enabled:
             self._writer.emit(
                 FinishedSpan(

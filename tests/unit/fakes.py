@@ -163,7 +163,57 @@ def vllm_config(extra: dict[str, Any] | None = None, *, kv_role: str = "kv_produ
         model_config=SimpleNamespace(served_model_name="tiny", model="/models/tiny"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         observability_config=SimpleNamespace(otlp_traces_endpoint=None),
+        cache_config=SimpleNamespace(block_size=BLOCK_SIZE, prefix_caching_hash_algo="sha256"),
     )
+
+
+BLOCK_SIZE = 16
+"""The fake engines' block size (and vLLM's hash block size)."""
+
+
+def vllm_block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """``request.block_hashes`` as vLLM's EngineCore computes them (sha256, the default
+    algorithm, with its default seed): chained over whole blocks of ``token_ids``."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    if not isinstance(getattr(kv_cache_utils, "NONE_HASH", None), bytes):
+        kv_cache_utils.init_none_hash(sha256)
+    out: list[bytes] = []
+    for start in range(0, len(token_ids) // block_size * block_size, block_size):
+        out.append(
+            kv_cache_utils.hash_block_tokens(
+                sha256, out[-1] if out else None, token_ids[start : start + block_size]
+            )
+        )
+    return out
+
+
+def block_hashing() -> Any:
+    """The fake engines' :class:`otelkv.engine.continuity.Hashing`."""
+    from otelkv.engine import continuity
+
+    vllm_block_hashes([])  # vLLM's NONE_HASH, set as EngineCore sets it
+    return continuity.vllm_hashing(BLOCK_SIZE, "sha256")
+
+
+def decode_digest(token_ids: list[int], prompt_tokens: int) -> dict[str, Any] | None:
+    """The continuity digest a fake decode engine writes for KV over ``token_ids``."""
+    from otelkv.engine import continuity
+
+    return continuity.digest(
+        vllm_block_hashes(token_ids), token_ids, len(token_ids), prompt_tokens, block_hashing()
+    )
+
+
+class TokenRequest(SimpleNamespace):
+    """A duck-typed vLLM request whose ``block_hashes`` follow its token ids, as vLLM keeps
+    them: over ``all_token_ids`` when set (a request that generated), else ``prompt_token_ids``."""
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        tokens = getattr(self, "all_token_ids", None) or getattr(self, "prompt_token_ids", None) or []
+        return vllm_block_hashes(list(tokens))
 
 
 def kv_cache_config(num_blocks: int = 100, bytes_per_block: int = 65536) -> Any:

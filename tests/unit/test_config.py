@@ -44,6 +44,8 @@ def test_defaults() -> None:
         load_failure_policy="fail",
         backends=("UCX",),
         vllm_traces_endpoint=None,
+        block_size=16,
+        prefix_hash_algo="sha256",
     )
     assert s.backend_label == "UCX"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from types import SimpleNamespace
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -21,7 +20,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from otelkv import names
-from otelkv.engine import continuity
 from otelkv.engine.connector import OtelKVConnector
 from otelkv.engine.messages import OtelKVStats, OtelKVWorkerMeta
 from otelkv.engine.nixl import NixlConnector
@@ -222,7 +220,7 @@ REWRITTEN = [*HELD[:7], *range(900, 1073)]
 
 def _guarded_connector(
     mode: str, prompt: list[int]
-) -> tuple[OtelKVConnector, SimpleNamespace, tuple[int, bool]]:
+) -> tuple[OtelKVConnector, fakes.TokenRequest, tuple[int, bool]]:
     """A scheduler-role connector in ``mode``, a prefill request for ``prompt`` carrying a decode
     handle (with digest) for KV of :data:`HELD`, and the inner connector's answer (144, True)."""
     fakes.reset()
@@ -231,9 +229,9 @@ def _guarded_connector(
     handle = {
         **fakes.DECODE_HANDLE,
         "remote_num_tokens": len(HELD),
-        names.XARG_CONTINUITY: continuity.digest(HELD, len(HELD), 128),
+        names.XARG_CONTINUITY: fakes.decode_digest(HELD, 128),
     }
-    request = SimpleNamespace(
+    request = fakes.TokenRequest(
         request_id="chatcmpl-next-0badf00d",
         kv_transfer_params=handle,
         trace_headers=None,

@@ -1,120 +1,175 @@
-"""The continuity digest and its check (pure logic)."""
+"""The continuity digest and its check, over block hashes computed by vLLM's own code."""
 
 from __future__ import annotations
 
 import base64
 import json
+import random
 
 import pytest
 
 from otelkv import names
-from otelkv.engine.continuity import CHUNK_TOKENS, HASH_BYTES, check, digest, parse
+from otelkv.engine.continuity import CHUNK_TOKENS, HASH_BYTES, Check, Hashing, check, digest, parse
+from tests.unit.fakes import BLOCK_SIZE, block_hashing, vllm_block_hashes
 
 PREV = list(range(1000, 1128))  # the previous prompt: 128 tokens
 ANSWER = list(range(5000, 5016))  # its 16 generated tokens
-HELD = PREV + ANSWER  # what the decode node's KV covers (prompt + answer)
+HELD = PREV + ANSWER  # what the decode node's KV covers (prompt + answer): 9 blocks of 16
+
+
+def written(held: list[int], prompt: int, num_tokens: int | None = None) -> dict[str, object] | None:
+    """What the decode node writes for KV over ``held`` (its first ``num_tokens`` computed)."""
+    n = len(held) if num_tokens is None else num_tokens
+    return digest(vllm_block_hashes(held), held, n, prompt, block_hashing())
+
+
+def checked(value: object, prompt: list[int], remote: object, hashing: Hashing | None = None) -> Check | None:
+    return check(value, vllm_block_hashes(prompt), prompt, remote, hashing or block_hashing())
 
 
 def test_the_digest_is_compact_and_json() -> None:
-    d = digest(list(range(1000)), 1000, 900)
+    d = written(list(range(1000)), 900)
     assert d is not None and json.loads(json.dumps(d)) == d
-    # 900 prompt tokens: 28 chunks of 32 and one of 4; then the answer's 100: 3 of 32, 1 of 4.
-    assert len(base64.b64decode(d["h"])) == 33 * HASH_BYTES
-    assert len(digest(list(range(1024)), 1024, 1024)["h"]) == 344  # type: ignore[index]
-    assert digest([], 0, 0) is None and digest([1, 2], 0, 2) is None
+    # 1,000 tokens: 62 whole blocks of 16 (one hash per 32 tokens), then a hash of the last 8.
+    assert d["n"] == 1000 and len(base64.b64decode(d["h"])) == 31 * HASH_BYTES  # type: ignore[arg-type]
+    assert len(written(list(range(1024)), 1024)["h"]) == 344  # type: ignore[index]
+    assert written([], 0) is None and written([1, 2], 2, num_tokens=0) is None
+    short = written(list(range(15)), 10)  # under one block: its tail hash alone
+    assert short is not None and checked(short, [*range(15), 99], 15) == (15, 15, None, None, True)
+
+
+def test_hashes_at_another_granularity_make_no_digest() -> None:
+    """A hybrid model hashes at another block size than its cache's: nothing comparable."""
+    assert digest(vllm_block_hashes(HELD, 32), HELD, len(HELD), 128, block_hashing()) is None
 
 
 def test_a_prompt_that_extends_the_conversation_matches_everything_offered() -> None:
-    d = digest(HELD, len(HELD), len(PREV))
-    new_prompt = HELD + list(range(7000, 7040))
-    c = check(d, new_prompt, remote_num_tokens=len(HELD))
-    assert c is not None
+    c = checked(written(HELD, len(PREV)), HELD + list(range(7000, 7040)), len(HELD))
+    assert c is not None and c.comparable
     assert (c.offered, c.matching, c.first_mismatch, c.mismatch_in) == (len(HELD), len(HELD), None, None)
 
 
 def test_rewritten_history_is_found_in_the_history() -> None:
     """The issue's case: the two prompts share their first 7 tokens only."""
-    d = digest(HELD, len(HELD), len(PREV))
-    rewritten = PREV[:7] + list(range(9000, 9173))  # 180 tokens
-    c = check(d, rewritten, remote_num_tokens=len(HELD))
+    d = written(HELD, len(PREV))
+    c = checked(d, PREV[:7] + list(range(9000, 9173)), len(HELD))
     assert c is not None and c.offered == len(HELD)
     assert (c.matching, c.first_mismatch, c.mismatch_in) == (0, 0, names.CONTINUITY_IN_HISTORY)
     # A rewrite after the first chunk is placed at that chunk.
-    later = PREV[:40] + list(range(9000, 9140))
-    c = check(d, later, remote_num_tokens=len(HELD))
+    c = checked(d, PREV[:40] + list(range(9000, 9140)), len(HELD))
     assert c is not None and (c.matching, c.first_mismatch) == (CHUNK_TOKENS, CHUNK_TOKENS)
 
 
 def test_a_re_rendered_answer_is_found_in_the_answer() -> None:
-    held = PREV + list(range(5000, 5064))  # a 64-token answer: chunks 4 and 5 are the answer
-    d = digest(held, len(held), len(PREV))
+    held = PREV + list(range(5000, 5064))  # a 64-token answer
     rendered = PREV + list(range(5000, 5032)) + list(range(6000, 6032)) + [1, 2, 3]
-    c = check(d, rendered, remote_num_tokens=len(held))
+    c = checked(written(held, len(PREV)), rendered, len(held))
     assert c is not None
     assert (c.matching, c.first_mismatch, c.mismatch_in) == (160, 160, names.CONTINUITY_IN_ANSWER)
 
 
 def test_an_answer_re_rendered_after_an_odd_length_prompt_is_placed_in_the_answer() -> None:
-    """Chunks restart where the previous prompt ended: a change at the answer's first token is
-    in the answer, whatever the prompt's length."""
-    prev = list(range(1000, 1100))  # 100 tokens: not a multiple of 32
+    """A chunk may hold the previous prompt's end and the answer's start: a change at the
+    answer's first token is in the answer, whatever the prompt's length."""
+    prev = list(range(1000, 1100))  # 100 tokens: not a multiple of the block size
     held = prev + list(range(5000, 5040))
-    d = digest(held, len(held), len(prev))
-    c = check(d, prev + list(range(6000, 6050)), remote_num_tokens=len(held))
-    assert c is not None and (c.first_mismatch, c.mismatch_in) == (100, names.CONTINUITY_IN_ANSWER)
-    assert c.matching == 100
+    d = written(held, len(prev))
+    c = checked(d, prev + list(range(6000, 6050)), len(held))
+    assert c is not None and (c.first_mismatch, c.mismatch_in, c.matching) == (
+        100,
+        names.CONTINUITY_IN_ANSWER,
+        100,
+    )
+    # The same chunk with a change just before the prompt's end is in the history.
+    edited = [*prev[:99], 7, *range(6000, 6050)]
+    c = checked(d, edited, len(held))
+    assert c is not None and (c.first_mismatch, c.mismatch_in) == (96, names.CONTINUITY_IN_HISTORY)
 
 
 def test_what_vllm_loads_beyond_the_digest_is_unverified() -> None:
     """remote_num_tokens may exceed the tokens the digest covers: those are offered (vLLM loads
     them) and cannot be checked."""
-    d = digest(HELD, len(HELD), len(PREV))
-    c = check(d, [*HELD, *range(20)], remote_num_tokens=len(HELD) + 16)
+    d = written(HELD, len(PREV))
+    c = checked(d, [*HELD, *range(20)], len(HELD) + 16)
     assert c is not None and (c.offered, c.matching, c.unverified) == (len(HELD) + 16, len(HELD), 16)
-    assert check(d, HELD, remote_num_tokens="many") is None
+    assert checked(d, HELD, "many") is None
 
 
-def test_the_partial_last_chunk_is_checked_when_covered_and_unverified_when_not() -> None:
-    d = digest(HELD, len(HELD), len(PREV))  # 144 tokens: 4 whole chunks and 16 more
-    c = check(d, [*HELD, 1], remote_num_tokens=len(HELD))
-    assert c is not None and (c.matching, c.unverified) == (144, 0)
-    bad_tail = [*HELD[:-1], 99999, 1]
-    c = check(d, bad_tail, remote_num_tokens=len(HELD))
+def test_the_partial_last_block_is_checked_when_offered_whole_and_unverified_when_not() -> None:
+    held = [*HELD, 1, 2, 3, 4, 5, 6]  # 150 tokens: 9 whole blocks and 6 more
+    d = written(held, len(PREV))
+    assert d is not None and d["n"] == 150
+    c = checked(d, [*held, 1], len(held))
+    assert c is not None and (c.matching, c.unverified) == (150, 0)
+    c = checked(d, [*held[:-1], 99999, 1], len(held))  # the partial block differs
+    assert c is not None and (c.matching, c.first_mismatch, c.mismatch_in) == (
+        144,
+        144,
+        names.CONTINUITY_IN_ANSWER,
+    )
+    c = checked(d, [*HELD[:-1], 99999, *held[-6:]], len(held))  # the last whole block differs
     assert c is not None and (c.matching, c.first_mismatch) == (128, 128)
-    # A prompt shorter than the KV: the part of a chunk it covers cannot be checked.
-    c = check(d, HELD[:140], remote_num_tokens=len(HELD))
+    # A prompt shorter than the KV: its part of a chunk cannot be checked.
+    c = checked(d, HELD[:140], len(held))
     assert c is not None and (c.offered, c.matching, c.unverified) == (140, 128, 12)
 
 
+def test_a_decode_node_that_hashes_otherwise_is_compared_with_nothing() -> None:
+    """Another block size or another NONE_HASH (algorithm or PYTHONHASHSEED): every offered
+    token is unverified, never a mismatch."""
+    d = written(HELD, len(PREV))
+    for other in (Hashing(32, block_hashing().seed), Hashing(BLOCK_SIZE, b"\x00" * HASH_BYTES)):
+        c = checked(d, PREV[:7] + list(range(9000, 9173)), len(HELD), other)
+        assert c is not None and not c.comparable
+        assert (c.offered, c.matching, c.first_mismatch, c.unverified) == (len(HELD), 0, None, len(HELD))
+    c = check(d, vllm_block_hashes(HELD), HELD, len(HELD), None)  # this engine's hashing unknown
+    assert c is not None and not c.comparable
+
+
+def _valid() -> dict[str, object]:
+    d = written(HELD, len(PREV))
+    assert d is not None
+    return d
+
+
 @pytest.mark.parametrize(
-    "value",
+    "change",
     [
-        None,
-        "abc",
         {"v": 2},
-        {"v": 2, "chunk": 16, "n": 10, "prompt": 5, "h": ""},
-        {"v": 2, "chunk": 32, "n": 10, "prompt": 5, "h": "!!"},
-        {"v": 2, "chunk": 32, "n": 100, "prompt": 5, "h": base64.b64encode(b"x" * 8).decode()},
-        {"v": 2, "chunk": 32, "n": 10, "prompt": 11, "h": base64.b64encode(b"x" * 16).decode()},
-        {"v": True, "chunk": 32, "n": 10, "prompt": 5, "h": base64.b64encode(b"x" * 16).decode()},
+        {"v": True},
+        {"bs": 0},
+        {"n": 200},  # more blocks than the hashes cover
+        {"t": "short"},
+        {"n": 0},
+        {"prompt": 145},
+        {"h": "!!"},
+        {"h": base64.b64encode(b"x" * 8).decode()},
+        {"s": base64.b64encode(b"x" * 4).decode()},
+        {"p": None},
     ],
 )
-def test_a_digest_otelkv_did_not_write_is_not_used(value: object) -> None:
-    assert parse(value) is None and check(value, HELD, len(HELD)) is None
+def test_a_digest_otelkv_did_not_write_is_not_used(change: dict[str, object]) -> None:
+    value = {**_valid(), **change}
+    assert parse(value) is None and checked(value, HELD, len(HELD)) is None
+
+
+@pytest.mark.parametrize("value", [None, "abc", {}, [1, 2]])
+def test_what_is_no_digest_at_all_is_not_used(value: object) -> None:
+    assert parse(value) is None and checked(value, HELD, len(HELD)) is None
 
 
 def test_the_first_mismatch_is_the_first_chunk_with_a_different_token() -> None:
     """Against the tokens themselves: for random histories, answers and edits at every kind of
-    place, the check names the start of the first 32-token chunk (restarting at the previous
-    prompt's end) that holds a changed token among those offered, and where it lies."""
-    import random
-
+    place, the check names the first chunk (two blocks of 16, the last whole block, and the
+    partial block after it) that holds a
+    changed token among those offered, and where it lies; within the chunk that holds the
+    previous prompt's end, a change only after that end is placed there, in the answer."""
     rng = random.Random(13)
-    for _ in range(400):
+    for _ in range(300):
         n = rng.randint(1, 300)
         prev_prompt = rng.randint(0, n)
         held = [rng.randrange(50_000) for _ in range(n)]
-        value = digest(held, n, prev_prompt)
+        value = written(held, prev_prompt)
         prompt = held + [rng.randrange(50_000) for _ in range(rng.randint(0, 40))]
         if rng.random() < 0.3:
             prompt = prompt[: rng.randint(0, len(prompt))]
@@ -122,37 +177,26 @@ def test_the_first_mismatch_is_the_first_chunk_with_a_different_token() -> None:
             if prompt:
                 prompt[rng.randrange(len(prompt))] = 50_001  # an id the digest never saw
         remote = rng.choice((n, n, rng.randint(0, n)))
-        got = check(value, prompt, remote)
-        assert got is not None
+        got = checked(value, prompt, remote)
         offered = max(min(remote, len(prompt)), 0)
-        chunks = [
-            (lo, min(lo + CHUNK_TOKENS, hi))
-            for start, hi in ((0, min(prev_prompt, n)), (prev_prompt, n))
-            for lo in range(start, hi, CHUNK_TOKENS)
-        ]
+        assert value is not None and got is not None and got.offered == offered
+        blocks = n // BLOCK_SIZE
+        prev = prev_prompt
+        ends = sorted({min(e, blocks) * BLOCK_SIZE for e in range(2, blocks + 2, 2)} - {0})
+        if n % BLOCK_SIZE:
+            ends.append(n)  # the KV's partial last block: checked when offered whole
+        chunks = list(zip([0, *ends[:-1]], ends, strict=True))
         compared = [(lo, hi) for lo, hi in chunks if hi <= offered]
-        differs = [lo for lo, hi in compared if prompt[lo:hi] != held[lo:hi]]
-        assert got.offered == offered
+        differs = [(lo, hi) for lo, hi in compared if prompt[lo:hi] != held[lo:hi]]
         if differs:
-            first = differs[0]
-            where = names.CONTINUITY_IN_HISTORY if first < prev_prompt else names.CONTINUITY_IN_ANSWER
-            assert (got.first_mismatch, got.matching, got.mismatch_in) == (first, first, where)
+            lo, hi = differs[0]
+            changed = [i for i in range(lo, hi) if prompt[i] != held[i]]
+            if changed[0] < prev:
+                expected = (lo, names.CONTINUITY_IN_HISTORY)
+            else:
+                expected = (max(lo, prev), names.CONTINUITY_IN_ANSWER)
+            assert (got.first_mismatch, got.mismatch_in) == expected
+            assert got.matching == expected[0]
         else:
             assert got.first_mismatch is None
             assert got.matching == (compared[-1][1] if compared else 0)
-
-
-def test_chunk_arithmetic_agrees_with_the_chunk_list() -> None:
-    """The check finds its last chunk without building the chunk list: the same answer as the
-    list, for every length, previous prompt and limit up to a few chunks."""
-    from otelkv.engine.continuity import CHUNK_TOKENS, _bounds, _chunk_count, _last_chunk_within
-
-    span = 3 * CHUNK_TOKENS + 5
-    for n in range(1, span):
-        for prompt in range(0, n + 1):
-            bounds = _bounds(n, prompt)
-            assert _chunk_count(n, prompt) == len(bounds)
-            for limit in range(0, n + 2):
-                within = [i for i, (_, hi) in enumerate(bounds) if hi <= limit]
-                expected = (within[-1], bounds[within[-1]][1]) if within else None
-                assert _last_chunk_within(n, prompt, limit) == expected, (n, prompt, limit)

@@ -37,6 +37,8 @@ def make_observer(**settings: Any) -> tuple[SchedulerObserver, InMemorySpanExpor
         "bidirectional": True,
         "recompute_threshold": 64,
         "decoder_ttl_s": 12.0,
+        "block_size": fakes.BLOCK_SIZE,
+        "prefix_hash_algo": "sha256",
     }
     defaults.update(settings)
     observer = SchedulerObserver(
@@ -52,7 +54,7 @@ def make_observer(**settings: Any) -> tuple[SchedulerObserver, InMemorySpanExpor
 def make_request(
     params: dict[str, Any] | None, *, prompt: int = 150, rid: str = "chatcmpl-abc-12345678"
 ) -> Any:
-    return SimpleNamespace(
+    return fakes.TokenRequest(
         request_id=rid,
         kv_transfer_params=dict(params) if params else None,
         trace_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
@@ -380,12 +382,14 @@ def test_decode_hands_back_a_digest_and_prefill_checks_the_prompt_against_it() -
     decode.on_finished(d_req, [[1, 2, 3, 4, 5]], (True, returned))
     written = returned[names.XARG_CONTINUITY]
     assert (written["n"], written["prompt"]) == (144, 128)  # the KV's tokens, not the last one
-    n, prompt, hashes = continuity.parse(written)  # type: ignore[misc]
-    assert (n, prompt, len(hashes)) == (
+    parsed = continuity.parse(written)
+    assert parsed is not None and (parsed.n, parsed.prompt, parsed.hashing) == (
         144,
         128,
-        5 * continuity.HASH_BYTES,
-    )  # 4 chunks of prompt, 1 of answer
+        fakes.block_hashing(),
+    )
+    # 9 blocks of 16: one hash per 2 blocks (32 tokens), and the last block's.
+    assert len(parsed.hashes) == 5 * continuity.HASH_BYTES
     # A prefill node's own finished request (its handle for decode) gets no digest.
     p_obs, _ = make_observer()
     p_req = make_request({"do_remote_decode": True}, prompt=128)
@@ -432,12 +436,11 @@ def test_decode_hands_back_a_digest_and_prefill_checks_the_prompt_against_it() -
 
 def _handle_for(tokens: list[int], prompt: int) -> dict[str, Any]:
     """A decode handle for KV computed over ``tokens``, with the digest otelkv's decode node writes."""
-    from otelkv.engine import continuity
 
     return {
         **HANDLE,
         "remote_num_tokens": len(tokens),
-        names.XARG_CONTINUITY: continuity.digest(tokens, len(tokens), prompt),
+        names.XARG_CONTINUITY: fakes.decode_digest(tokens, prompt),
     }
 
 
