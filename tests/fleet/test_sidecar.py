@@ -587,13 +587,18 @@ def test_doctor_passes_every_prerequisite_behind_the_reference_router(
         "conv-clean",
         [Turn("check the deploy status", 64), Turn("roll back the canary", 48, pause_s=0.5)],
     )
-    since = time.time_ns()
+    # The sidecar dates a turn by the kernel's receive time, good to a jiffy (up to 10 ms), so
+    # a turn may start just before the client's clock read: the window reaches 0.1 s beyond
+    # this conversation's requests and the earlier scenarios' traffic ended 0.3 s before it.
+    time.sleep(0.3)
+    since = time.time_ns() - 100_000_000
     (run,) = fleet.driver().run_sync([clean])
     assert all(t.ok for t in run), [(t.status, t.error) for t in run]
     for turn in run:
         turn_span(fleet, turn.trace_id)
     fleet.flush_store()
-    window = ["--since", iso(since), "--until", iso(time.time_ns())]  # this conversation's alone
+    until = time.time_ns() + 100_000_000
+    window = ["--since", iso(since), "--until", iso(until)]  # this conversation's alone
     cli = [sys.executable, "-m", "otelkv.cli.main", "doctor", "--sidecar", fleet.sidecar.admin_url, *window]
     cli += ["--engine", fleet.prefill.url, "--engine", fleet.decode.url]
     done = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=120)

@@ -87,6 +87,17 @@ REBUILT = (
 each turn with its own engine requests."""
 
 
+PHASE_QUIET_S = 0.2
+"""Nothing is sent for this long before and after each phase (so phases are twice this apart)."""
+PHASE_MARGIN_NS = 100_000_000
+"""A phase's window reaches this far beyond the client's clock at the phase's first request
+and last answer. The sidecar dates a turn by the kernel's receive time, in jiffies
+(:mod:`otelkv.sidecar.arrival`: 4 ms on a HZ=250 kernel, up to 10 ms): when a tick passes
+before the proxy reads the request, the turn starts up to a jiffy before the client sent it.
+A window closed on the client's clock right at the phase's edges then loses the phase's first
+turn or takes the next phase's first one. Margin plus a jiffy stays well inside the quiet time."""
+
+
 @dataclass
 class Phase:
     """One router behaviour's conversations and the time window they ran in."""
@@ -111,14 +122,19 @@ def _phase(fleet: Fleet, conversations: list[Conversation], **router: bool) -> P
     """Run the conversations at once with the router set as given (then set back)."""
     for key, value in router.items():
         setattr(fleet.router, key, value)
+    time.sleep(PHASE_QUIET_S)
     since = time.time_ns()
     try:
         runs = fleet.driver().run_sync(conversations)
     finally:
         for key in router:
             setattr(fleet.router, key, False)
+    until = time.time_ns()
+    time.sleep(PHASE_QUIET_S)
     phase = Phase(
-        since, time.time_ns(), {c.conversation_id: r for c, r in zip(conversations, runs, strict=True)}
+        since - PHASE_MARGIN_NS,
+        until + PHASE_MARGIN_NS,
+        {c.conversation_id: r for c, r in zip(conversations, runs, strict=True)},
     )
     for turns in phase.turns.values():
         assert all(t.ok for t in turns), ([(t.status, t.error) for t in turns], fleet.engine_log_lines())
@@ -362,7 +378,7 @@ def _doctor(fleet: Fleet, phase: Phase) -> dict:
     from otelkv.cli.source import SidecarClient
 
     assert fleet.sidecar is not None and fleet.prefill is not None and fleet.decode is not None
-    fleet.flush_store()
+    _wait_for_window_turns(fleet, phase)
     client = SidecarClient(fleet.sidecar.admin_url)
     answer = client.doctor(
         since_ns=phase.since_ns,
@@ -371,6 +387,35 @@ def _doctor(fleet: Fleet, phase: Phase) -> dict:
         router_handle_ttl_s=None,
     )
     return assert_valid(answer)
+
+
+def _wait_for_window_turns(fleet: Fleet, phase: Phase, timeout: float = 30.0) -> None:
+    """Until the store's turn spans in the phase's window are every turn the client sent in the
+    phase (its trace ids), and nothing else: what the doctor then counts, checked apart."""
+    assert fleet.sidecar is not None
+    source = StoreSource(fleet.sidecar.store)
+    wanted = {t.trace_id for turns in phase.turns.values() for t in turns}
+    deadline = time.monotonic() + timeout
+    while True:
+        fleet.flush_store()
+        spans = source.turn_spans(
+            since_ns=phase.since_ns, until_ns=phase.until_ns, limit=None, slowest_first=False
+        )
+        found = {s.trace_id for s in spans}
+        if wanted <= found or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if found != wanted:
+        client = {t.trace_id: (c, t.index) for c, turns in phase.turns.items() for t in turns}
+        extra = [
+            (s.attributes.get(names.GEN_AI_CONVERSATION_ID), s.attributes.get(names.TURN_INDEX), s.start_ns)
+            for s in spans
+            if s.trace_id not in wanted
+        ]
+        raise AssertionError(
+            f"turns in the store's window [{phase.since_ns}, {phase.until_ns}) after {timeout:.0f} s: "
+            f"missing {sorted(client[t] for t in wanted - found)}, not the phase's {sorted(extra, key=str)}"
+        )
 
 
 def _by_status(answer: dict) -> dict[str, set[str]]:
