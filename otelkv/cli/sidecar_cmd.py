@@ -8,6 +8,7 @@ locked, a port that is taken or a proxy process that fails exits 4 (docs/cli.md)
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -192,6 +193,10 @@ def run_sidecar(args: argparse.Namespace) -> int:
     print(f"  engines and agents export spans to {sidecar.otlp_endpoint}")
     print(f"  metrics: {sidecar.admin_url}/metrics   query API: {sidecar.admin_url}/api/v1/")
     print(f"  store: {sidecar.describe_store()}", flush=True)
+    # What is alive now (imports, chDB, the servers) lives as long as the sidecar: keep the
+    # collector's full passes off it, as vLLM's EngineCore and the proxy process do.
+    gc.collect()
+    gc.freeze()
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -46,7 +46,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from otelkv import names
 
@@ -77,8 +77,13 @@ MAX_ANSWER_CHARS = 4 * 1024 * 1024
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=str)
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    """``json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)``, with one
+    encoder for every call."""
+    return _ENCODER.encode(value)
 
 
 def canonical_content(content: Any) -> str:
@@ -144,15 +149,17 @@ def message_digest(message: Any) -> int:
     """One message's digest (its canonical form, see the module docstring)."""
     if not isinstance(message, dict):
         return hash(("\x00not-a-message", _dumps(message)))
-    content = message.get("content")
-    calls = message.get("tool_calls")
+    get = message.get
+    content = get("content")
+    calls = get("tool_calls")
+    role, call_id, name = get("role"), get("tool_call_id"), get("name")  # _text(), inlined
     return hash(
         (
-            _text(message.get("role")),
+            role if isinstance(role, str) else "",
             hash(content) if type(content) is str else content_digest(content),
             _NO_CALLS if not calls else calls_digest(calls),
-            _text(message.get("tool_call_id")),
-            _text(message.get("name")),
+            call_id if isinstance(call_id, str) else "",
+            name if isinstance(name, str) else "",
         )
     )
 
@@ -258,9 +265,10 @@ _NO_CALLS = calls_digest(None)
 # ------------------------------------------------------------------ facts
 
 
-@dataclass(frozen=True, slots=True)
-class Resumed:
-    """This request opens with a recent turn of another conversation: its messages and answer."""
+class Resumed(NamedTuple):
+    """This request opens with a recent turn of another conversation: its messages and answer
+    (named tuples, this and :class:`HistoryFacts`: they cross to the main process inside the
+    turn record, see :mod:`otelkv.sidecar.channel`)."""
 
     conversation_id: str
     trace_id: str
@@ -272,8 +280,7 @@ class Resumed:
     """How many messages of this request repeat that turn (its request's messages and the answer)."""
 
 
-@dataclass(frozen=True, slots=True)
-class HistoryFacts:
+class HistoryFacts(NamedTuple):
     """This request against its conversation's previous request and answer (see module docstring)."""
 
     previous_messages: int | None = None

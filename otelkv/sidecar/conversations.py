@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass
@@ -24,9 +25,9 @@ class _State:
     in_flight: int = 0
 
 
-@dataclass(frozen=True)
-class TurnStart:
-    """What the sidecar knows about a turn when its request arrives."""
+class TurnStart(NamedTuple):
+    """What the sidecar knows about a turn when its request arrives (a named tuple: it crosses
+    to the main process inside the turn record, see :mod:`otelkv.sidecar.channel`)."""
 
     index: int
     previous_trace_id: str

@@ -21,7 +21,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 MAX_ID_CHARS = 256
@@ -35,8 +35,10 @@ _BAGGAGE_KEYS = ("gen_ai.conversation.id", "conversation_id", "conversation.id",
 _FINGERPRINT_PROMPT_CHARS = 512
 
 
-@dataclass(frozen=True)
-class ConversationIdentity:
+class ConversationIdentity(NamedTuple):
+    """A request's conversation (a named tuple: it crosses to the main process inside the turn
+    record, see :mod:`otelkv.sidecar.channel`)."""
+
     conversation_id: str
     source: str
     """One of :data:`otelkv.names.CONVERSATION_ID_SOURCES`."""

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -72,6 +73,8 @@ class SidecarMetrics:
         self._rates: dict[str, deque[float]] = {}
         self._rates_lock = threading.Lock()
         """Spans arrive on the OTLP receiver's thread and the proxy channel's."""
+        self._turn_series: dict[str, _TurnSeries] = {}
+        self._gap_children: dict[str, Any] = {}
         self._initialise()
 
     def _initialise(self) -> None:
@@ -129,19 +132,31 @@ class SidecarMetrics:
         start_ns: int = 0,
         end_ns: int = 0,
     ) -> None:
-        """One finished turn; with a conversation id it also extends that conversation's task."""
+        """One finished turn; with a conversation id it also extends that conversation's task.
+
+        Every turn observes six to eight series: their children are looked up once per label
+        values and kept (``labels()`` validates and locks on every call; the children live as
+        long as the registry)."""
         label = self.model_label(model)
         if conversation_id:
             self._observe_tasks(self.tasks.turn(conversation_id, label, start_ns, end_ns))
-        for phase, seconds in phases.as_dict().items():
-            self.phase.labels(phase, label).observe(seconds)
+        series = self._turn_series.get(label)
+        if series is None:
+            series = self._turn_series[label] = _TurnSeries(self, label)
+        input_processing, generation, tool_wait, app_work = series.phases
+        input_processing.observe(phases.input_processing_s)
+        generation.observe(phases.generation_s)
+        tool_wait.observe(phases.tool_wait_s)
+        app_work.observe(phases.app_work_s)
         if ttft_s is not None:
-            self.ttft.labels(names.turn_index_bucket(turn_index), label).observe(ttft_s)
-        if phases.gap_source != names.GAP_SOURCE_NONE:
-            self.gap.labels(phases.gap_source).observe(phases.tool_wait_s + phases.app_work_s)
-        self.turns.labels(
-            label, names.TURN_STATUS_OK if ok else names.TURN_STATUS_ERROR, "true" if stream else "false"
-        ).inc()
+            series.ttft(turn_index).observe(ttft_s)
+        gap_source = phases.gap_source
+        if gap_source != names.GAP_SOURCE_NONE:
+            gap = self._gap_children.get(gap_source)
+            if gap is None:
+                gap = self._gap_children[gap_source] = self.gap.labels(gap_source)
+            gap.observe(phases.tool_wait_s + phases.app_work_s)
+        series.turns[bool(ok), bool(stream)].inc()
 
     def expire_tasks(self, now_ns: int | None = None) -> None:
         """Observe the task time of conversations idle longer than the task clock's idle time."""
@@ -225,6 +240,33 @@ class SidecarMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _TurnSeries:
+    """One model label's turn series (children of :class:`SidecarMetrics`' metrics), in the
+    order :meth:`SidecarMetrics.observe_turn` observes them."""
+
+    __slots__ = ("_label", "_metrics", "_ttft", "phases", "turns")
+
+    def __init__(self, metrics: SidecarMetrics, label: str) -> None:
+        self._metrics = metrics
+        self._label = label
+        self.phases = tuple(metrics.phase.labels(phase, label) for phase in names.PHASES)
+        self.turns = {
+            (ok, stream): metrics.turns.labels(
+                label, names.TURN_STATUS_OK if ok else names.TURN_STATUS_ERROR, "true" if stream else "false"
+            )
+            for ok in (True, False)
+            for stream in (True, False)
+        }
+        self._ttft: dict[str, Any] = {}
+
+    def ttft(self, turn_index: int) -> Any:
+        bucket = names.turn_index_bucket(turn_index)
+        child = self._ttft.get(bucket)
+        if child is None:
+            child = self._ttft[bucket] = self._metrics.ttft.labels(bucket, self._label)
+        return child
 
 
 def _engine(span: SpanRecord) -> str:

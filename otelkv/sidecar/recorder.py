@@ -90,47 +90,43 @@ class TurnRecorder:
 
     def turn_span(self, rec: TurnRecord) -> SpanRecord:
         facts = rec.response
-        request_s = (rec.end_ns - rec.arrival_ns) / 1e9
+        request = rec.request
+        identity, start = rec.identity, rec.start
+        arrival_ns = rec.arrival_ns
+        request_s = (rec.end_ns - arrival_ns) / 1e9
         stream_ttft = None
-        if facts is not None and rec.request.stream and facts.first_token_ns is not None:
-            stream_ttft = (facts.first_token_ns - rec.arrival_ns) / 1e9
+        if facts is not None and request.stream and facts.first_token_ns is not None:
+            stream_ttft = (facts.first_token_ns - arrival_ns) / 1e9
         gap = self.gap(rec)
         phases: Phases = turn_phases(gap, request_s, stream_ttft_s=stream_ttft)
         ok = rec.error is None and 200 <= rec.status < 300
-        model = rec.request.model or "unknown"
+        model = request.model or "unknown"
+        # Assigned one by one: no intermediate dict literals for update().
         attributes: dict[str, Any] = {
             names.GEN_AI_OPERATION_NAME: rec.operation,
-            names.GEN_AI_REQUEST_MODEL: rec.request.model,
+            names.GEN_AI_REQUEST_MODEL: request.model,
             names.GEN_AI_PROVIDER_NAME: names.PROVIDER_VLLM,
             names.HTTP_ROUTE: rec.path,
-            names.TURN_STREAM: rec.request.stream,
-            names.TURN_MESSAGES: rec.request.messages,
-            names.TURN_TOOL_RESULTS: rec.request.tool_results,
+            names.TURN_STREAM: request.stream,
+            names.TURN_MESSAGES: request.messages,
+            names.TURN_TOOL_RESULTS: request.tool_results,
         }
-        if rec.identity is not None and rec.start is not None:
-            attributes.update(
-                {
-                    names.GEN_AI_CONVERSATION_ID: rec.identity.conversation_id,
-                    names.CONVERSATION_ID_SOURCE: rec.identity.source,
-                    names.CONVERSATION_INFERRED: rec.identity.inferred,
-                    names.TURN_INDEX: rec.start.index,
-                    names.TURN_PREVIOUS_TRACE_ID: rec.start.previous_trace_id,
-                }
-            )
-        attributes.update(
-            {
-                names.HTTP_STATUS: rec.status,
-                names.TURN_GAP_SECONDS: gap.tool_wait_s + gap.app_work_s,
-                names.TURN_GAP_SOURCE: gap.source,
-                names.TURN_TOOL_WAIT_SECONDS: phases.tool_wait_s,
-                names.TURN_APP_WORK_SECONDS: phases.app_work_s,
-                names.TURN_INPUT_PROCESSING_SECONDS: phases.input_processing_s,
-                names.TURN_GENERATION_SECONDS: phases.generation_s,
-                names.TURN_TOTAL_SECONDS: phases.total_s,
-                names.TURN_TTFT_SOURCE: phases.ttft_source,
-                names.TURN_SOCKET_WAIT_SECONDS: rec.socket_wait_ns / 1e9,
-            }
-        )
+        if identity is not None and start is not None:
+            attributes[names.GEN_AI_CONVERSATION_ID] = identity.conversation_id
+            attributes[names.CONVERSATION_ID_SOURCE] = identity.source
+            attributes[names.CONVERSATION_INFERRED] = identity.inferred
+            attributes[names.TURN_INDEX] = start.index
+            attributes[names.TURN_PREVIOUS_TRACE_ID] = start.previous_trace_id
+        attributes[names.HTTP_STATUS] = rec.status
+        attributes[names.TURN_GAP_SECONDS] = gap.tool_wait_s + gap.app_work_s
+        attributes[names.TURN_GAP_SOURCE] = gap.source
+        attributes[names.TURN_TOOL_WAIT_SECONDS] = phases.tool_wait_s
+        attributes[names.TURN_APP_WORK_SECONDS] = phases.app_work_s
+        attributes[names.TURN_INPUT_PROCESSING_SECONDS] = phases.input_processing_s
+        attributes[names.TURN_GENERATION_SECONDS] = phases.generation_s
+        attributes[names.TURN_TOTAL_SECONDS] = phases.total_s
+        attributes[names.TURN_TTFT_SOURCE] = phases.ttft_source
+        attributes[names.TURN_SOCKET_WAIT_SECONDS] = rec.socket_wait_ns / 1e9
         if facts is not None:
             if facts.model:
                 attributes[names.GEN_AI_RESPONSE_MODEL] = facts.model

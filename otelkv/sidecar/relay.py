@@ -207,22 +207,25 @@ class _Upstream(asyncio.Protocol):
         self._status = status
         self._head_done = True
         self._keep_alive = self.parser.should_keep_alive()
-        lowered = {k.lower(): v for k, v in self._headers}
-        self._until_close = (
-            b"content-length" not in lowered
-            and b"chunked" not in lowered.get(b"transfer-encoding", b"").lower()
-            and status not in (204, 304)
-        )
+        length = False
+        encoding = b""  # the last Transfer-Encoding header's
+        for key, value in self._headers:
+            lower = key.lower()
+            if lower == b"content-length":
+                length = True
+            elif lower == b"transfer-encoding":
+                encoding = value
+        self._until_close = not length and b"chunked" not in encoding.lower() and status not in (204, 304)
         if self._head_request:
             self._complete = True
         client = self.client
         if client is not None and client.exchange is not None:
-            client.observe(lambda ex: ex.response_head(status, self._headers))
+            client.observe_head(status, self._headers)
 
     def on_body(self, body: bytes) -> None:
         client = self.client
         if client is not None and client.exchange is not None:
-            client.observe(lambda ex: ex.response_body(body))
+            client.observe_body(body)
 
     def on_message_complete(self) -> None:
         if self._head_done:
@@ -341,6 +344,7 @@ class _Client(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # loop time the connection went idle; None: busy
         self._writing_paused = False  # the client transport is over its high-water mark
         self._refusal: bytes | None = None  # an error response owed after the pending ones
         self._head_bytes: int | None = None  # bytes read while a request head is incomplete
@@ -439,11 +443,17 @@ class _Client(asyncio.Protocol):
                 505, "HTTP Version Not Supported", f"HTTP/{req.version} is not proxied (use HTTP/1.1)"
             )
             return
-        length = req.header(b"content-length")
+        length = expect = None
+        for key, value in req.headers or ():
+            lower = key.lower()
+            if lower == b"content-length":
+                if length is None:
+                    length = value
+            elif lower == b"expect" and expect is None:
+                expect = value
         if length is not None and length.strip().isdigit() and int(length) > self.relay.max_body_bytes:
             self._too_large()
             return
-        expect = req.header(b"expect")
         if expect is not None and expect.lower() == b"100-continue" and req.version != "1.0":
             if self.current is None:
                 self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -475,9 +485,7 @@ class _Client(asyncio.Protocol):
     def _next(self) -> None:
         if self.closing or not self.queue:
             return
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._idle_since = None
         if len(self.queue) == _MAX_PIPELINED and self.transport is not None:
             self.transport.resume_reading()
         req = self.current = self.queue.popleft()
@@ -524,12 +532,24 @@ class _Client(asyncio.Protocol):
         if self.transport is not None and not self.closing:
             self.transport.write(data)
 
-    def observe(self, fn: Callable[[Exchange], None]) -> None:
+    def observe_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Show the exchange's observer the response head (its failure stops only the observing)."""
         exchange = self.exchange
         if exchange is None:
             return
         try:
-            fn(exchange)
+            exchange.response_head(status, headers)
+        except Exception:
+            logger.exception("otelkv sidecar: response observer failed; forwarding only")
+            self.exchange = None
+
+    def observe_body(self, data: bytes) -> None:
+        """Show the exchange's observer a piece of the decoded response body (ditto)."""
+        exchange = self.exchange
+        if exchange is None:
+            return
+        try:
+            exchange.response_body(data)
         except Exception:
             logger.exception("otelkv sidecar: response observer failed; forwarding only")
             self.exchange = None
@@ -612,9 +632,25 @@ class _Client(asyncio.Protocol):
             self._refusal = response
 
     def _arm_idle(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = self.relay.loop.call_later(CLIENT_IDLE_S, self._close)
+        """The connection is idle from now: closed once idle for ``CLIENT_IDLE_S``.
+
+        One timer per connection, re-armed only when it fires early, rather than a timer set
+        and cancelled for every request (a kept-alive connection's requests cost no timer)."""
+        loop = self.relay.loop
+        self._idle_since = loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = loop.call_at(self._idle_since + CLIENT_IDLE_S, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        since = self._idle_since
+        if self.closing or since is None:  # busy: the exchange's end arms it again
+            return
+        due = since + CLIENT_IDLE_S
+        if self.relay.loop.time() >= due:
+            self._close()
+        else:
+            self._idle_timer = self.relay.loop.call_at(due, self._idle_check)
 
     def _close(self) -> None:
         self.closing = True
@@ -686,16 +722,18 @@ class Relay:
 
     def request_head(self, req: Request, extra: list[tuple[bytes, bytes | None]], body_len: int) -> bytes:
         """The request line and headers sent upstream: the client's, minus hop-by-hop ones."""
-        assert req.headers is not None
-        named = set()
-        for key, value in req.headers:
-            if key.lower() == b"connection":
-                named.update(token.strip().lower() for token in value.split(b","))
+        headers = req.headers
+        assert headers is not None
+        lowered = [key.lower() for key, _ in headers]
+        named: set[bytes] = set()
+        if b"connection" in lowered:
+            for (_, value), lower in zip(headers, lowered, strict=True):
+                if lower == b"connection":
+                    named.update(token.strip().lower() for token in value.split(b","))
         replaced = {key.lower() for key, _ in extra}  # a value of None: drop only
         version = b"1.0" if req.version == "1.0" else b"1.1"
         parts = [req.method, b" ", req.url, b" HTTP/", version, b"\r\nHost: ", self._host_header, b"\r\n"]
-        for key, value in req.headers:
-            lower = key.lower()
+        for (key, value), lower in zip(headers, lowered, strict=True):
             if lower in _HOP_BY_HOP or lower in named or lower in replaced:
                 continue
             parts += (key, b": ", value, b"\r\n")
@@ -725,3 +763,13 @@ class LowerHeaders(dict[str, str]):
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         return super().get(key.lower(), default)
+
+    @classmethod
+    def of(cls, headers: list[tuple[bytes, bytes]] | None) -> LowerHeaders:
+        """:func:`header_dict` of ``headers``, as one of these."""
+        out = cls()
+        for key, value in headers or ():
+            name = key.decode("latin-1").lower()
+            if name not in out:
+                out[name] = value.decode("utf-8", "replace")
+        return out

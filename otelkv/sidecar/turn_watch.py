@@ -19,14 +19,22 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from otelkv import names
-from otelkv.sidecar.continuity import HistoryFacts, HistoryTracker, Observed
+from otelkv.sidecar.continuity import HistoryFacts, HistoryTracker, Observed, Resumed
 from otelkv.sidecar.conversations import ConversationTracker, TurnStart
 from otelkv.sidecar.identity import DEFAULT_POLICY, ConversationIdentity, IdPolicy, identify
-from otelkv.sidecar.relay import LowerHeaders, Request, header_dict
-from otelkv.sidecar.response import RequestFacts, ResponseFacts, ResponseObserver, request_facts
+from otelkv.sidecar.relay import LowerHeaders, Request
+from otelkv.sidecar.response import (
+    RequestFacts,
+    ResponseFacts,
+    ResponseObserver,
+    parse_json,
+    request_facts,
+    response_from_wire,
+    response_to_wire,
+)
 
 logger = logging.getLogger("otelkv.sidecar")
 
@@ -42,8 +50,9 @@ CONTINUITY_ERRORS = "continuity_errors"
 """The proxy's counter of errors inside the history comparison (fail-open: the request goes on)."""
 
 
-@dataclass(frozen=True)
-class Parent:
+class Parent(NamedTuple):
+    """The client's W3C trace context."""
+
     trace_id: str
     span_id: str
     trace_state: str
@@ -62,9 +71,10 @@ def parse_traceparent(value: str | None, tracestate: str | None) -> Parent | Non
     return Parent(trace_id, span_id, (tracestate or "").strip()[:512])
 
 
-@dataclass(frozen=True)
-class TurnRecord:
-    """One finished turn as the proxy saw it; pickled to the main process."""
+class TurnRecord(NamedTuple):
+    """One finished turn as the proxy saw it. Named tuples all the way down (but the response's
+    facts), so that :meth:`to_wire` and :meth:`from_wire` are a few C calls each: the record
+    crosses to the main process as plain tuples, with ``marshal`` (see :mod:`~otelkv.sidecar.channel`)."""
 
     trace_id: str
     span_id: str
@@ -84,6 +94,91 @@ class TurnRecord:
     recent turn of another conversation it continues (None: nothing to say)."""
     socket_wait_ns: int = 0
     """From the kernel's receive time (``arrival_ns``) to the proxy reading the request."""
+
+    def to_wire(self) -> tuple[Any, ...]:
+        """This record as nested plain tuples, lists and scalars (what ``marshal`` takes).
+
+        The response's :attr:`~otelkv.sidecar.response.ResponseFacts.answer` stays behind: its
+        digests are keyed per process and mean nothing in another one."""
+        parent, identity, start, response, history = (
+            self.parent,
+            self.identity,
+            self.start,
+            self.response,
+            self.history,
+        )
+        return (
+            self.trace_id,
+            self.span_id,
+            None if parent is None else tuple(parent),
+            self.operation,
+            self.path,
+            self.arrival_ns,
+            self.end_ns,
+            self.status,
+            self.error,
+            tuple(self.request),
+            None if identity is None else tuple(identity),
+            None if start is None else tuple(start),
+            None if response is None else response_to_wire(response),
+            None if history is None else history_to_wire(history),
+            self.socket_wait_ns,
+        )
+
+    @classmethod
+    def from_wire(cls, wire: tuple[Any, ...]) -> TurnRecord:
+        """The record :meth:`to_wire` made ``wire`` from (``answer`` None, see there)."""
+        (
+            trace_id,
+            span_id,
+            parent,
+            operation,
+            path,
+            arrival_ns,
+            end_ns,
+            status,
+            error,
+            request,
+            identity,
+            start,
+            response,
+            history,
+            socket_wait_ns,
+        ) = wire
+        return _tuple_new(
+            cls,
+            (
+                trace_id,
+                span_id,
+                None if parent is None else _tuple_new(Parent, parent),
+                operation,
+                path,
+                arrival_ns,
+                end_ns,
+                status,
+                error,
+                _tuple_new(RequestFacts, request),
+                None if identity is None else _tuple_new(ConversationIdentity, identity),
+                None if start is None else _tuple_new(TurnStart, start),
+                None if response is None else response_from_wire(response),
+                None if history is None else history_from_wire(history),
+                socket_wait_ns,
+            ),
+        )
+
+
+_tuple_new = tuple.__new__
+"""Builds a named tuple from a tuple of its fields without its Python-level ``__new__``."""
+
+
+def history_to_wire(history: HistoryFacts) -> tuple[Any, ...]:
+    resumed = history.resumed
+    return (*history[:-1], None if resumed is None else tuple(resumed))
+
+
+def history_from_wire(wire: tuple[Any, ...]) -> HistoryFacts:
+    resumed = wire[-1]
+    return _tuple_new(HistoryFacts, (*wire[:-1], None if resumed is None else _tuple_new(Resumed, resumed)))
 
 
 def _socket_wait_ns(req: Request | None) -> int:
@@ -234,6 +329,10 @@ def _is_json(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == "application/json"
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+"""``json.dumps(value, separators=(",", ":"))``, without building an encoder on every call."""
+
+
 def body_with_context(
     body: bytes, parsed: dict[str, Any], *, traceparent: str, session_id: str | None
 ) -> bytes:
@@ -262,7 +361,7 @@ def body_with_context(
     if names.BODY_XARGS not in parsed and start.startswith(b"{") and end.endswith(b"}"):
         inner = end[:-1].rstrip()
         sep = b"" if inner.endswith(b"{") else b","
-        field = json.dumps({names.BODY_XARGS: xargs}, separators=(",", ":")).encode()[1:-1]
+        field = _COMPACT.encode({names.BODY_XARGS: xargs}).encode()[1:-1]
         return inner + sep + field + b"}"
     out = {**parsed, names.BODY_XARGS: xargs}
     try:
@@ -321,11 +420,11 @@ class TurnWatcher:
         arrival_ns = req.received_ns or time.time_ns()
         parsed: dict[str, Any] | None = None
         try:
-            value = json.loads(body) if body else None
+            value = parse_json(body) if body else None
             parsed = value if isinstance(value, dict) else None
         except (ValueError, UnicodeDecodeError, RecursionError):
             parsed = None  # forwarded untouched; the upstream answers it
-        headers = LowerHeaders(header_dict(req.headers))
+        headers = LowerHeaders.of(req.headers)
         identity = identify(headers, parsed, self.id_policy)
         parent = parse_traceparent(headers.get("traceparent"), headers.get("tracestate"))
         trace_id = parent.trace_id if parent else self._new_id(128)
