@@ -6,6 +6,7 @@ vLLM's ``Request`` has. The fleet tests cover the same paths against real engine
 
 from __future__ import annotations
 
+import base64
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -389,7 +390,7 @@ def test_decode_hands_back_a_digest_and_prefill_checks_the_prompt_against_it() -
         fakes.block_hashing(),
     )
     # 9 blocks of 16: one hash per 2 blocks (32 tokens), and the last block's.
-    assert len(parsed.hashes) == 5 * continuity.HASH_BYTES
+    assert len(base64.b64decode(parsed.hashes_text)) == 5 * continuity.HASH_BYTES
     # A prefill node's own finished request (its handle for decode) gets no digest.
     p_obs, _ = make_observer()
     p_req = make_request({"do_remote_decode": True}, prompt=128)
