@@ -88,6 +88,9 @@ class EngineSettings:
     block_size: int | None = None
     kv_cache_dtype: str = ""
     prefix_caching: bool | None = None
+    hash_block_size: int | None = None
+    """Tokens per ``request.block_hashes`` entry (vLLM's ``kv_cache_config.hash_block_size``;
+    None: as ``block_size``)."""
     prefix_hash_algo: str | None = None
     """vLLM's ``prefix_caching_hash_algo``: whether block hashes may leave the engine
     (:mod:`otelkv.engine.continuity`)."""

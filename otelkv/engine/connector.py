@@ -29,6 +29,7 @@ For NIXL use the preset in :mod:`otelkv.engine.nixl`, which keeps the class name
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -205,6 +206,14 @@ class OtelKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         settings = self._settings
         if role == KVConnectorRole.SCHEDULER:
+            hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+            if (
+                isinstance(hash_block_size, int)
+                and not isinstance(hash_block_size, bool)
+                and hash_block_size > 0
+            ):
+                # what request.block_hashes are computed at (DCP, hybrid models: not block_size)
+                settings = self._settings = dataclasses.replace(settings, hash_block_size=hash_block_size)
             from otelkv.engine.scheduler_observer import SchedulerObserver, engine_resource_attributes
 
             writer = telemetry.get_span_writer(

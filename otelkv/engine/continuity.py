@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import os
 import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -80,6 +81,10 @@ def vllm_hashing(block_size: int | None, algo: str | None) -> Hashing | None:
     leave the engine."""
     if not block_size or block_size <= 0 or algo not in CRYPTOGRAPHIC_ALGOS:
         return None
+    if os.environ.get("PYTHONHASHSEED", "") not in ("", "0", "random"):
+        # vLLM then derives NONE_HASH from that seed (32 bits): the digest's hashes would let
+        # anyone who sees a handle recover it, and it keys the engine's string hashing too.
+        return None
     from vllm.v1.core import kv_cache_utils
 
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
@@ -125,12 +130,12 @@ def digest(
     ended), with ``block_hashes`` as vLLM computed them over ``token_ids``. None when there is
     nothing to digest, too much, or the hashes are not at ``hashing.block_size`` granularity."""
     size = hashing.block_size
-    if len(block_hashes) != len(token_ids) // size:
-        return None  # vLLM hashes at another granularity (a hybrid model): no comparable digest
+    if len(block_hashes) != len(token_ids) // size or (block_hashes and type(block_hashes[0]) is not bytes):
+        return None  # vLLM hashes at another granularity: no comparable digest
     n = min(int(num_tokens), len(token_ids))
-    if n <= 0 or n > MAX_TOKENS:
-        return None
     blocks = n // size
+    if blocks <= 0 or n > MAX_TOKENS:
+        return None  # under one block, no vLLM hash covers the LoRA, salt or media keys
     prompt = max(min(int(prompt_tokens), n), 0)
     stride = hashing.stride
     picked = block_hashes[stride - 1 : blocks : stride]
@@ -254,7 +259,8 @@ def check(
         hashing is None
         or parsed.block_size != hashing.block_size
         or parsed.seed_text != hashing.seed_text
-        or len(block_hashes) < len(token_ids) // hashing.block_size
+        or len(block_hashes) != len(token_ids) // hashing.block_size
+        or type(block_hashes[0] if block_hashes else b"") is not bytes
     ):
         return Check(offered, 0, None, None, comparable=False)
     size, stride, n = hashing.block_size, hashing.stride, parsed.n
@@ -285,7 +291,7 @@ def check(
         if block_hashes[block][:HASH_BYTES] != hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES]:
             return _placed(parsed, offered, lo, hi, block_hashes, token_ids)
         lo = hi
-    return Check(offered, (last + 1) * size, None, None)  # unreachable: the last entry differed
+    return None  # unreachable (the last entry differed); never a match by default
 
 
 def _placed(

@@ -318,18 +318,19 @@ class SchedulerObserver:
         found = continuity.check(
             params.get(names.XARG_CONTINUITY),
             getattr(request, "block_hashes", None) or (),
-            getattr(request, "prompt_token_ids", None) or (),
+            # all_token_ids: what vLLM hashed (prompt embeds appear there as zeros)
+            getattr(request, "all_token_ids", None) or getattr(request, "prompt_token_ids", None) or (),
             params.get("remote_num_tokens") or 0,
             self._block_hashing(),
         )
         if found is not None and not found.comparable and not self._warned_hashing:
             self._warned_hashing = True
             logger.warning(
-                "otelkv: this engine (block size %s, prefix_caching_hash_algo %s) cannot compare "
+                "otelkv: this engine (hash block size %s, prefix_caching_hash_algo %s) cannot compare "
                 "the block hashes in decode handles: the decode node hashes with another block "
                 "size, algorithm or PYTHONHASHSEED, or this engine's hashes must stay inside it; "
                 "the KV they offer is counted unverified",
-                self.settings.block_size,
+                self.settings.hash_block_size or self.settings.block_size,
                 self.settings.prefix_hash_algo,
             )
         state.continuity = found
@@ -337,7 +338,9 @@ class SchedulerObserver:
     def _block_hashing(self) -> continuity.Hashing | None:
         """This engine's block hashing, read once vLLM has set it up (after this observer)."""
         if self._hashing is None:
-            self._hashing = continuity.vllm_hashing(self.settings.block_size, self.settings.prefix_hash_algo)
+            self._hashing = continuity.vllm_hashing(
+                self.settings.hash_block_size or self.settings.block_size, self.settings.prefix_hash_algo
+            )
         return self._hashing
 
     def _record_continuity(
@@ -536,17 +539,18 @@ class SchedulerObserver:
         ):
             # The handle this decode request hands back names KV for these token ids.
             hashing = self._block_hashing()
-            found = (
-                continuity.digest(
-                    getattr(request, "block_hashes", None) or (),
-                    getattr(request, "all_token_ids", None) or (),
-                    getattr(request, "num_computed_tokens", 0) or 0,
-                    request.num_prompt_tokens,
-                    hashing,
-                )
-                if hashing is not None
-                else None
-            )
+            found = None
+            if hashing is not None:
+                try:  # a failure here loses the digest only, not the request's span
+                    found = continuity.digest(
+                        getattr(request, "block_hashes", None) or (),
+                        getattr(request, "all_token_ids", None) or (),
+                        getattr(request, "num_computed_tokens", 0) or 0,
+                        request.num_prompt_tokens,
+                        hashing,
+                    )
+                except Exception as exc:  # noqa: BLE001 - fail open, counted
+                    self.errors.record("continuity_digest", exc)
             if found is not None:
                 params[names.XARG_CONTINUITY] = found
         finish = _Finish(
