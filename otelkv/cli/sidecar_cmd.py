@@ -8,6 +8,8 @@ locked, a port that is taken or a proxy process that fails exits 4 (docs/cli.md)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import gc
 import logging
 import math
@@ -16,6 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 from otelkv.cli.errors import EXIT_OK, EXIT_UNAVAILABLE, UnavailableError
 from otelkv.cli.source import QueryError, check_url
@@ -146,13 +149,17 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run_sidecar(args: argparse.Namespace) -> int:
-    """Check every argument, start the sidecar, serve until SIGINT/SIGTERM (0) or until the
-    proxy process dies (4, so that a supervisor restarts it)."""
+    """Check every argument, start the sidecar, serve until SIGINT/SIGTERM (exit 0) or until
+    the proxy process dies (exit 4, so that a supervisor restarts it). After serving, the
+    process exits from here (:func:`_exit_without_finalization`); errors before it serves
+    return through the CLI's error handler."""
     from otelkv.sidecar.app import Sidecar, SidecarConfig, default_store_path
     from otelkv.sidecar.proxy_process import ProxyStartError
     from otelkv.store.base import StoreError
 
     _check_args(args)
+    # A crash in native code (chDB, uvloop, httptools) prints every thread's Python stack.
+    faulthandler.enable()
     host, port = _host_port(args.listen, "--listen")
     admin_host, admin_port = _host_port(args.admin_listen, "--admin-listen")
     store_path = Path(args.store).expanduser() if args.store else default_store_path()
@@ -177,6 +184,11 @@ def run_sidecar(args: argparse.Namespace) -> int:
         engine_urls=tuple(args.engine),
         router_handle_ttl_s=args.router_handle_ttl,
     )
+    # From here a SIGTERM/SIGINT asks for a clean stop: one that arrives while the sidecar
+    # starts or before its banner is read stops it once it is up, still with exit code 0.
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         sidecar = Sidecar(config).start()
     except StoreError as exc:  # locked by another process, unreadable, chDB missing
@@ -197,9 +209,6 @@ def run_sidecar(args: argparse.Namespace) -> int:
     # collector's full passes off it, as vLLM's EngineCore and the proxy process do.
     gc.collect()
     gc.freeze()
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     code = EXIT_OK
     try:
         # Without the proxy process no request gets through: a sidecar that went on serving
@@ -217,4 +226,19 @@ def run_sidecar(args: argparse.Namespace) -> int:
                 break
     finally:
         sidecar.stop()
-    return code
+    _exit_without_finalization(code)
+
+
+def _exit_without_finalization(code: int) -> NoReturn:
+    """Exit now, skipping the interpreter's finalization and C++ static destructors.
+
+    ``Sidecar.stop`` has flushed and closed the store and stopped both processes' servers:
+    nothing is left to save. chDB's embedded engine keeps thread pools that its session's
+    close does not join; tearing the engine's globals down under them at exit can kill a
+    process that stopped cleanly with SIGSEGV, and a supervisor would then see a crash.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
