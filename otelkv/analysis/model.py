@@ -591,6 +591,16 @@ MIN_COMPUTED_TOKENS = 16
 overhead dominates their time."""
 
 
+RATE_ATTRIBUTES: tuple[str, ...] = (
+    names.ROLE,
+    names.TOKENS_COMPUTED,
+    names.REQUEST_OUTCOME,
+    names.REMOTE_KV_WAIT_SECONDS,
+)
+"""Every span attribute :func:`request_compute_rate` reads: a narrow read of these (plus the
+span's name and times) prices a request as the whole span does."""
+
+
 def request_compute_rate(span: SpanRecord) -> float | None:
     """Seconds per computed prompt token of one prefill request span: its duration less its
     wait for remote KV, over the tokens it computed. None when it does not measure compute:

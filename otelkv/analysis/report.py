@@ -15,7 +15,7 @@ from typing import Any
 from otelkv.analysis import scope, turn_json
 from otelkv.analysis.diagnose import Context, diagnose
 from otelkv.analysis.linker import load_trace, load_turns
-from otelkv.analysis.model import Turn, per_token_compute_s, request_compute_rate
+from otelkv.analysis.model import RATE_ATTRIBUTES, Turn, per_token_compute_s, request_compute_rate
 from otelkv.analysis.sources import SpanSource
 from otelkv.spans import SpanRecord
 
@@ -70,7 +70,10 @@ def _why_context(source: SpanSource, turn: Turn) -> Context:
     start = turn.prefill.start_ns if turn.prefill is not None else turn.start_ns
     end = max(turn.end_ns, start + 1)
     measured = source.engine_requests(
-        since_ns=max(start - int(PRICE_LOOKBACK_S * 1e9), 0), until_ns=end, limit=PRICE_SAMPLE_LIMIT
+        since_ns=max(start - int(PRICE_LOOKBACK_S * 1e9), 0),
+        until_ns=end,
+        limit=PRICE_SAMPLE_LIMIT,
+        attributes=RATE_ATTRIBUTES,
     )
     return diagnosis_context([turn], measured=measured)
 

@@ -7,6 +7,7 @@ store, a fleet's ClickHouse and the spans of a unit test.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -22,6 +23,13 @@ from otelkv.spans import (
     opt_int,
 )
 from otelkv.spans.kinds import one_per_trace, turn_rank
+
+
+def narrowed(span: SpanRecord, attributes: Sequence[str]) -> SpanRecord:
+    """``span`` as a narrow read returns it: only ``attributes`` of its span attributes, and no
+    resource, events or links."""
+    kept = {k: span.attributes[k] for k in attributes if k in span.attributes}
+    return dataclasses.replace(span, attributes=kept, resource={}, events=[], links=[])
 
 
 def group_by_trace(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
@@ -63,8 +71,18 @@ class SpanSource(Protocol):
         ...
 
     def engine_requests(
-        self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
-    ) -> list[SpanRecord]: ...
+        self,
+        *,
+        since_ns: int,
+        until_ns: int,
+        roots_only: bool = False,
+        limit: int | None = None,
+        attributes: Sequence[str] | None = None,
+    ) -> list[SpanRecord]:
+        """Engine request spans starting in ``[since_ns, until_ns)``, in start order, at most
+        ``limit``. With ``attributes``, each record holds only those span attributes and no
+        resource, events or links (a narrow read of many requests)."""
+        ...
 
 
 def _span_total_s(span: SpanRecord) -> float:
@@ -148,7 +166,13 @@ class InMemorySource:
         return sorted(found)[:limit]
 
     def engine_requests(
-        self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
+        self,
+        *,
+        since_ns: int,
+        until_ns: int,
+        roots_only: bool = False,
+        limit: int | None = None,
+        attributes: Sequence[str] | None = None,
     ) -> list[SpanRecord]:
         out = sorted(
             (
@@ -160,7 +184,11 @@ class InMemorySource:
             ),
             key=lambda s: (s.start_ns, s.span_id),
         )
-        return out if limit is None else out[:limit]
+        if limit is not None:
+            out = out[:limit]
+        if attributes is not None:
+            out = [narrowed(s, attributes) for s in out]
+        return out
 
 
 class StoreSource:
@@ -225,10 +253,21 @@ class StoreSource:
         return list(self._q().traces_with_prefix(self.store, prefix, limit=limit))
 
     def engine_requests(
-        self, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
+        self,
+        *,
+        since_ns: int,
+        until_ns: int,
+        roots_only: bool = False,
+        limit: int | None = None,
+        attributes: Sequence[str] | None = None,
     ) -> list[SpanRecord]:
         return list(
             self._q().engine_requests(
-                self.store, since_ns=since_ns, until_ns=until_ns, roots_only=roots_only, limit=limit
+                self.store,
+                since_ns=since_ns,
+                until_ns=until_ns,
+                roots_only=roots_only,
+                limit=limit,
+                attributes=attributes,
             )
         )

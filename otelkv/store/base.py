@@ -24,7 +24,22 @@ class TraceStore(Protocol):
     database: str
 
     def insert_spans(self, spans: Sequence[SpanRecord]) -> int:
-        """Write ``spans``; return how many were written. Raises :class:`StoreError`."""
+        """Write ``spans``; return how many were written. Raises :class:`StoreError`.
+
+        The same as ``insert_encoded(encode_spans(spans))``."""
+        ...
+
+    def encode_spans(self, spans: Sequence[SpanRecord]) -> Any:
+        """``spans`` in the form the store inserts (pure CPU: no I/O, no lock on the store).
+
+        Split from :meth:`insert_encoded` so that a writer can encode one batch while the
+        previous one is being inserted: the insert waits on the database with the GIL
+        released, the encoding needs the interpreter."""
+        ...
+
+    def insert_encoded(self, encoded: Any) -> int:
+        """Write a batch made by :meth:`encode_spans`; return how many spans it held.
+        Raises :class:`StoreError`."""
         ...
 
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -114,18 +114,25 @@ class ClickHouseHttpStore:
             raise StoreError(f"{self.describe()} returned non-JSON rows: {exc}") from None
 
     def insert_spans(self, spans: Sequence[SpanRecord]) -> int:
+        return self.insert_encoded(self.encode_spans(spans))
+
+    def encode_spans(self, spans: Sequence[SpanRecord]) -> tuple[bytes, int]:
+        """The batch as one ``INSERT ... FORMAT JSONEachRow`` request body, and its span count."""
         if not spans:
-            return 0
+            return b"", 0
         columns = ", ".join(f"`{c}`" for c in schema.COLUMNS)
         head = f"INSERT INTO {self._table} ({columns}) FORMAT JSONEachRow\n"
         body = head + "\n".join(_row_json(s) for s in spans) + "\n"
+        return body.encode("utf-8"), len(spans)
+
+    def insert_encoded(self, encoded: tuple[bytes, int]) -> int:
+        body, n = encoded
+        if not n:
+            return 0
         # Lone surrogates (from JSON-decoded input) are escaped as \udXXX by ensure_ascii;
         # let ClickHouse keep them instead of failing the whole batch.
-        self._post(
-            body.encode("utf-8"),
-            {"input_format_json_throw_on_bad_escape_sequence": "0"},
-        )
-        return len(spans)
+        self._post(body, {"input_format_json_throw_on_bad_escape_sequence": "0"})
+        return n
 
     def close(self) -> None:
         self._closed = True

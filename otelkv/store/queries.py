@@ -28,6 +28,23 @@ def _spans(store: TraceStore, sql: str, params: dict[str, Any]) -> list[SpanReco
     return [row_to_span(row) for row in store.query(sql, params)]
 
 
+def _window(where: list[str], params: dict[str, Any], since_ns: int | None, until_ns: int | None) -> None:
+    """Add ``since_ns <= Timestamp < until_ns`` (either bound optional) to ``where``."""
+    if since_ns is not None:
+        where.append("Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})")
+        params["since_ns"] = int(since_ns)
+    if until_ns is not None:
+        where.append("Timestamp < fromUnixTimestamp64Nano({until_ns:Int64})")
+        params["until_ns"] = int(until_ns)
+
+
+def _latency(params: dict[str, Any]) -> str:
+    """A turn span's latency for ordering: ``otelkv.turn.total_s``, else (absent or 0) its duration."""
+    params["total_key"] = names.TURN_TOTAL_SECONDS
+    total = "toFloat64OrZero(SpanAttributes[{total_key:String}])"
+    return f"if({total} > 0, {total}, Duration / 1e9)"
+
+
 def turn_spans(
     store: TraceStore,
     *,
@@ -38,33 +55,28 @@ def turn_spans(
     conversation_id: str | None = None,
 ) -> list[SpanRecord]:
     """Turn spans (:data:`otelkv.spans.sql.TURN_SPANS`) starting in ``[since_ns, until_ns)``,
-    one per trace (the sidecar's when an agent's own chat span shares its trace).
+    one per trace: the sidecar's when an agent's own chat span shares its trace, else the
+    earliest (the lowest span id breaks an exact tie).
 
     Slowest first by ``otelkv.turn.total_s`` (the span's duration when that is absent or 0);
     with ``conversation_id``, that conversation's turns in time order instead. ``limit=None``
     returns all.
     """
+    if conversation_id is None and slowest_first and limit is not None:
+        return _slowest_turn_spans(store, since_ns, until_ns, max(0, int(limit)))
     table, _ = _tables(store)
     where = [span_sql.TURN_SPANS]
     params: dict[str, Any] = {"sidecar_scope": names.SCOPE_SIDECAR}
-    if since_ns is not None:
-        where.append("Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})")
-        params["since_ns"] = int(since_ns)
-    if until_ns is not None:
-        where.append("Timestamp < fromUnixTimestamp64Nano({until_ns:Int64})")
-        params["until_ns"] = int(until_ns)
+    _window(where, params, since_ns, until_ns)
     if conversation_id is not None:
         where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
         params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
         order = "StartNs ASC, SpanId"
     else:
-        params["total_key"] = names.TURN_TOTAL_SECONDS
-        total = "toFloat64OrZero(SpanAttributes[{total_key:String}])"
-        latency = f"if({total} > 0, {total}, Duration / 1e9)"
-        order = f"{latency} {'DESC' if slowest_first else 'ASC'}, StartNs ASC"
+        order = f"{_latency(params)} {'DESC' if slowest_first else 'ASC'}, StartNs ASC"
     one_per_trace = (
         f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\n"
-        "ORDER BY ScopeName = {sidecar_scope:String} DESC, Timestamp ASC\nLIMIT 1 BY TraceId"
+        "ORDER BY ScopeName = {sidecar_scope:String} DESC, Timestamp ASC, SpanId ASC\nLIMIT 1 BY TraceId"
     )
     sql = f"SELECT *\nFROM (\n{one_per_trace}\n)\nORDER BY {order}"
     if limit is not None:
@@ -73,29 +85,126 @@ def turn_spans(
     return _spans(store, sql, params)
 
 
+def _slowest_turn_spans(
+    store: TraceStore, since_ns: int | None, until_ns: int | None, limit: int
+) -> list[SpanRecord]:
+    """:func:`turn_spans` slowest first, ``limit`` of them, read in two steps.
+
+    Picking one span per trace before ordering (``LIMIT 1 BY TraceId`` over every turn span
+    of the window) sorts every turn span of the window as whole rows, attribute maps and
+    all (seconds on a store of a million turns); instead, the ``ask`` slowest turn spans
+    come first, as trace id and latency only (ClickHouse reads the other columns of those
+    rows alone), then every turn span of those traces, whole. Each trace's span is picked
+    as :func:`otelkv.spans.kinds.turn_rank` picks it, and a picked span among the ``ask``
+    slowest outranks every span outside them: when ``limit`` picked spans are among them,
+    they are the answer; otherwise ``ask`` grows. A window with fewer than ``ask`` turn
+    spans was read whole.
+    """
+    if limit == 0:
+        return []
+    table, _ = _tables(store)
+    where = [span_sql.TURN_SPANS]
+    params: dict[str, Any] = {}
+    _window(where, params, since_ns, until_ns)
+    latency = _latency(params)
+    cond = " AND ".join(where)
+    ask = 2 * limit + 8
+    while True:
+        params["ask"] = ask
+        slowest = store.query(
+            f"SELECT TraceId, SpanId, toUnixTimestamp64Nano(Timestamp) AS StartNs, {latency} AS Latency\n"
+            f"FROM {table}\nWHERE {cond}\nORDER BY Latency DESC, StartNs ASC\nLIMIT {{ask:UInt64}}",
+            params,
+        )
+        ranked = {(r["TraceId"], r["SpanId"], int(r["StartNs"])) for r in slowest}
+        rows = store.query(
+            f"SELECT {SPAN_SELECT}, {latency} AS Latency\nFROM {table}\n"
+            f"WHERE {cond} AND TraceId IN {{trace_ids:Array(String)}}",
+            {**params, "trace_ids": sorted({r["TraceId"] for r in slowest})},
+        )
+        picked: dict[str, dict[str, Any]] = {}
+        for row in sorted(rows, key=_turn_row_rank):
+            picked.setdefault(row["TraceId"], row)
+        whole = len(slowest) < ask
+        found = [
+            r for r in picked.values() if whole or (r["TraceId"], r["SpanId"], int(r["StartNs"])) in ranked
+        ]
+        if whole or len(found) >= limit:
+            found.sort(key=lambda r: (-float(r["Latency"]), int(r["StartNs"])))
+            return [row_to_span(r) for r in found[:limit]]
+        ask *= 4
+
+
+def _turn_row_rank(row: dict[str, Any]) -> tuple[bool, int, str]:
+    """:func:`otelkv.spans.kinds.turn_rank` of a selected row (span id breaks exact ties)."""
+    return (row.get("ScopeName") != names.SCOPE_SIDECAR, int(row["StartNs"]), str(row.get("SpanId", "")))
+
+
+MAX_TIME_RANGES = 32
+"""Most time ranges one :func:`trace_spans` query ORs together (nearest ranges are merged)."""
+
+
 def trace_spans(store: TraceStore, trace_ids: Sequence[str]) -> list[SpanRecord]:
     """Every span of ``trace_ids``, in start order.
 
     Like the Grafana ClickHouse plugin's trace query, the time range comes from
-    ``otel_traces_trace_id_ts`` first, so the big table is read only in the partitions the
-    traces live in. Traces missing from the lookup (rows inserted before the view existed)
-    fall back to an unbounded scan rather than vanish.
+    ``otel_traces_trace_id_ts`` first, so the big table is read only where the traces
+    live: each trace's own range (at most :data:`MAX_TIME_RANGES` ranges, the nearest
+    merged), a few granules per trace wherever in the store the traces lie. Traces
+    missing from the lookup (rows inserted before the view existed) are read without a
+    time bound rather than vanish.
     """
     ids = sorted({t for t in trace_ids if t})
     if not ids:
         return []
     table, lookup = _tables(store)
+    known = store.query(
+        f"SELECT TraceId, toUnixTimestamp(min(Start)) AS Start, toUnixTimestamp(max(End)) AS End\n"
+        f"FROM {lookup}\nWHERE TraceId IN {{trace_ids:Array(String)}}\nGROUP BY TraceId",
+        {"trace_ids": ids},
+    )
+    params: dict[str, Any] = {"trace_ids": ids}
+    where = []
+    # The lookup keeps whole seconds: a trace lies in [Start, End + 1 s).
+    ranges = [(int(r["Start"]) * 10**9, (int(r["End"]) + 1) * 10**9) for r in known]
+    for i, (lo, hi) in enumerate(merge_ranges(ranges, MAX_TIME_RANGES)):
+        where.append(
+            f"(Timestamp >= fromUnixTimestamp64Nano({{lo{i}:Int64}}) "
+            f"AND Timestamp < fromUnixTimestamp64Nano({{hi{i}:Int64}}))"
+        )
+        params.update({f"lo{i}": lo, f"hi{i}": hi})
+    unknown = sorted(set(ids) - {str(r["TraceId"]) for r in known})
+    if unknown:
+        where.append("TraceId IN {unknown_ids:Array(String)}")
+        params["unknown_ids"] = unknown
     sql = f"""\
-WITH
-    (SELECT minOrNull(Start) FROM {lookup} WHERE TraceId IN {{trace_ids:Array(String)}}) AS trace_start,
-    (SELECT maxOrNull(End) + 1 FROM {lookup} WHERE TraceId IN {{trace_ids:Array(String)}}) AS trace_end,
-    (SELECT uniqExact(TraceId) FROM {lookup} WHERE TraceId IN {{trace_ids:Array(String)}}) AS known
 SELECT {SPAN_SELECT}
 FROM {table}
 WHERE TraceId IN {{trace_ids:Array(String)}}
-  AND (known < {{n_ids:UInt64}} OR (Timestamp >= trace_start AND Timestamp <= trace_end))
+  AND ({" OR ".join(where)})
 ORDER BY Timestamp ASC, SpanId"""
-    return _spans(store, sql, {"trace_ids": ids, "n_ids": len(ids)})
+    return _spans(store, sql, params)
+
+
+def merge_ranges(ranges: Sequence[tuple[int, int]], most: int) -> list[tuple[int, int]]:
+    """Half-open ranges merged where they overlap or touch, then across the smallest gaps
+    until at most ``most`` are left (every input point stays covered)."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    if len(merged) <= most:
+        return merged
+    # Keep the widest gaps as the breaks between ranges.
+    gaps = sorted(range(1, len(merged)), key=lambda i: merged[i][0] - merged[i - 1][1], reverse=True)
+    breaks = sorted(gaps[: max(most, 1) - 1])
+    out, start = [], 0
+    for b in [*breaks, len(merged)]:
+        out.append((merged[start][0], max(hi for _, hi in merged[start:b])))
+        start = b
+    return out
 
 
 def tool_spans(
@@ -110,13 +219,19 @@ def tool_spans(
 
     Filter by one conversation or several (``otelkv slow`` asks for the tool spans of its
     turns' conversations only: a window spanning days holds far more).
+
+    The overlap is a PREWHERE on the timestamp and duration columns: a span may have started
+    any time before the window, so the primary key bounds only its start from above, and
+    without PREWHERE ClickHouse reads the attribute maps of every span before the window's
+    end. Conversations are matched with ``IN``, which the attribute-value bloom filter
+    index of the exporter's schema prunes by (``has`` it does not).
     """
     table, _ = _tables(store)
-    where = [
-        span_sql.TOOL_SPANS,
+    overlap = [
         "Timestamp <= fromUnixTimestamp64Nano({until_ns:Int64})",
         "toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {since_ns:Int64}",
     ]
+    where = [span_sql.TOOL_SPANS]
     params: dict[str, Any] = {
         "since_ns": int(since_ns),
         "until_ns": int(until_ns),
@@ -125,18 +240,41 @@ def tool_spans(
         where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
         params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
     elif conversation_ids is not None:
-        where.append("has({conversation_ids:Array(String)}, SpanAttributes[{conv_key:String}])")
+        where.append("SpanAttributes[{conv_key:String}] IN {conversation_ids:Array(String)}")
         params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_ids=list(conversation_ids))
-    sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
+    sql = (
+        f"SELECT {SPAN_SELECT}\nFROM {table}\nPREWHERE {' AND '.join(overlap)}\n"
+        f"WHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
+    )
     return _spans(store, sql, params)
 
 
+NARROW_SELECT = """\
+toUnixTimestamp64Nano(Timestamp) AS StartNs,
+TraceId, SpanId, ParentSpanId, TraceState, SpanName, SpanKind, ServiceName, ScopeName, ScopeVersion,
+Duration, StatusCode, StatusMessage, SpanAttributes"""
+"""Select list of a narrow read: the span's own columns, without resource, events or links.
+The attributes are narrowed in Python: filtering the map in SQL (``arrayFilter`` over its
+keys; the trimmed chDB build has no ``mapFilter``) runs for every row before the LIMIT and
+cost more than it saved."""
+
+
 def engine_requests(
-    store: TraceStore, *, since_ns: int, until_ns: int, roots_only: bool = False, limit: int | None = None
+    store: TraceStore,
+    *,
+    since_ns: int,
+    until_ns: int,
+    roots_only: bool = False,
+    limit: int | None = None,
+    attributes: Sequence[str] | None = None,
 ) -> list[SpanRecord]:
     """Engine request spans (:data:`otelkv.spans.sql.ENGINE_REQUEST_SPANS`) starting in
     ``[since_ns, until_ns)``, in start order; with ``roots_only``, only those without a
-    parent (requests whose trace context never reached the engine)."""
+    parent (requests whose trace context never reached the engine).
+
+    ``attributes``: read only these span attributes, and no resource, events or links
+    (:data:`NARROW_SELECT`): a sample of thousands of requests for a few facts each.
+    """
     table, _ = _tables(store)
     where = [
         span_sql.ENGINE_REQUEST_SPANS,
@@ -146,11 +284,17 @@ def engine_requests(
     if roots_only:
         where.append("ParentSpanId = ''")
     params: dict[str, Any] = {"since_ns": int(since_ns), "until_ns": int(until_ns)}
-    sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
+    select = SPAN_SELECT if attributes is None else NARROW_SELECT
+    sql = f"SELECT {select}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
     if limit is not None:
         sql += "\nLIMIT {limit:UInt64}"
         params["limit"] = max(0, int(limit))
-    return _spans(store, sql, params)
+    spans = _spans(store, sql, params)
+    if attributes is not None:
+        keys = set(attributes)
+        for span in spans:
+            span.attributes = {k: v for k, v in span.attributes.items() if k in keys}
+    return spans
 
 
 def find_turn(store: TraceStore, conversation_id: str, index: int) -> SpanRecord | None:
@@ -162,7 +306,7 @@ FROM {table}
 WHERE {span_sql.TURN_SPANS}
   AND SpanAttributes[{{conv_key:String}}] = {{conversation_id:String}}
   AND SpanAttributes[{{turn_index_key:String}}] = toString({{index:Int64}})
-ORDER BY ScopeName = {{sidecar_scope:String}} DESC, Timestamp ASC
+ORDER BY ScopeName = {{sidecar_scope:String}} DESC, Timestamp ASC, SpanId ASC
 LIMIT 1"""
     params = {
         "conv_key": names.GEN_AI_CONVERSATION_ID,

@@ -1,19 +1,24 @@
 """Background batching between span receivers and a trace store.
 
 Requests must never wait for the store: :meth:`BatchWriter.submit` only appends to a
-bounded in-memory queue (O(1), never blocks) and a daemon thread drains it into
-``store.insert_spans`` in batches. When the queue is full the *new* spans are dropped and
-counted (what is queued is older and already paid for); when the store fails the batch is
-dropped, counted, logged at most once a minute, and the writer carries on.
+bounded in-memory queue (O(1), never blocks) and two daemon threads drain it in batches,
+as a pipeline: the *encoder* takes a batch and encodes it (``store.encode_spans``: the
+Arrow table for chDB, the request body for ClickHouse over HTTP) while the *inserter*
+writes the previous one (``store.insert_encoded``). Encoding needs the interpreter;
+the insert waits on the database with the GIL released, so together they take about
+the time of the slower of the two instead of their sum (``bench/store_ingest.py``). At
+most three batches are out of the queue at once: one being encoded, one encoded and
+waiting, one being inserted; batches are inserted in the order they were taken. When the
+queue is full the *new* spans are dropped and counted (what is queued is older and
+already paid for); when the store fails (encoding or inserting) the batch is dropped,
+counted, logged at most once a minute, and the writer carries on.
 
-The writer thread keeps its process's CPU priority on purpose. chDB holds the GIL while it
-reads the Arrow batch (``Python(...)``), so a writer at nice 10 (tried) made every other
-thread of the process - OTLP receiver, turn spans, and in the reference fleet the router -
-wait behind a thread that could not get a CPU. ``bench/writer_priority.py`` (three busy
-processes on 2 cores, nice 0 vs 10 side by side): inserts 2.0-3.2x slower, a 10 ms ticker
-thread of the same process late by 4.2-6x more at p99. A CI run whose reference fleet
-(router and sidecar in one process) saw the router miss a 10 s loopback connect ran with
-that writer.
+The threads keep their process's CPU priority on purpose: a writer at nice 10 (tried)
+made every other thread of the process - OTLP receiver, turn spans, and in the reference
+fleet the router - wait behind a thread that held the GIL but could not get a CPU.
+``bench/writer_priority.py`` (three busy processes on 2 cores, nice 0 vs 10 side by
+side): inserts 2.0-3.2x slower, a 10 ms ticker thread of the same process late by
+4.2-6x more at p99.
 """
 
 from __future__ import annotations
@@ -64,8 +69,13 @@ class BatchWriter:
         self._last_error_log = -_LOG_EVERY_S
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="otelkv-store-writer", daemon=True)
-        self._thread.start()
+        self._encoded: tuple[Any, int] | None = None
+        """The batch handed from the encoder to the inserter (encoded form, span count)."""
+        self._encoder_done = False
+        self._encoder = threading.Thread(target=self._encode_loop, name="otelkv-store-encoder", daemon=True)
+        self._inserter = threading.Thread(target=self._insert_loop, name="otelkv-store-writer", daemon=True)
+        self._encoder.start()
+        self._inserter.start()
 
     # ------------------------------------------------------------------ producers
 
@@ -75,7 +85,8 @@ class BatchWriter:
         if n == 0:
             return True
         with self._cond:
-            if self._closing or self._queued + n > self.max_queue_spans:
+            # The bound counts the batches out of the queue too: all of it is memory held.
+            if self._closing or self._queued + self._in_flight + n > self.max_queue_spans:
                 self._dropped_full += n
                 accepted = False
             else:
@@ -94,7 +105,7 @@ class BatchWriter:
         with self._cond:
             self._cond.notify_all()
             while self._queued or self._in_flight:
-                if not self._thread.is_alive():
+                if not (self._encoder.is_alive() and self._inserter.is_alive()):
                     return False
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -108,8 +119,10 @@ class BatchWriter:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in (self._encoder, self._inserter):
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        return not (self._encoder.is_alive() or self._inserter.is_alive())
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
@@ -136,45 +149,71 @@ class BatchWriter:
                 batch.extend(head[:room])
                 self._queue[0] = head[room:]
         self._queued -= len(batch)
-        self._in_flight = len(batch)
+        self._in_flight += len(batch)
         return batch
 
-    def _run(self) -> None:
+    def _encode_loop(self) -> None:
+        """Take batches off the queue, encode each, hand it to the inserter (in order)."""
         while True:
             with self._cond:
                 if not self._closing and self._queued < self.batch_spans:
                     self._cond.wait(self.flush_interval_s)
                 if self._closing and not self._queued:
+                    self._encoder_done = True
                     self._cond.notify_all()
                     return
                 batch = self._take()
-            if batch:
-                self._write(batch)
+            if not batch:
+                continue
+            try:
+                encoded = self.store.encode_spans(batch)
+            except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
+                self._failed(len(batch), exc)
+                continue
             with self._cond:
-                self._in_flight = 0
+                while self._encoded is not None:
+                    self._cond.wait()
+                self._encoded = (encoded, len(batch))
                 self._cond.notify_all()
 
-    def _write(self, batch: list[SpanRecord]) -> None:
-        try:
-            written = self.store.insert_spans(batch)
-        except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
+    def _insert_loop(self) -> None:
+        """Insert what the encoder hands over, one batch at a time, until it is done."""
+        while True:
             with self._cond:
-                self._dropped_error += len(batch)
-            now = time.monotonic()
-            if now - self._last_error_log >= _LOG_EVERY_S:
-                self._last_error_log = now
-                log.warning(
-                    "trace store %s rejected %d spans (%s); dropping them and carrying on "
-                    "(logged at most once a minute)",
-                    _describe(self.store),
-                    len(batch),
-                    exc,
-                )
-            self._report_drop(DROP_STORE_ERROR, len(batch))
-            return
+                while self._encoded is None and not self._encoder_done:
+                    self._cond.wait()
+                if self._encoded is None:
+                    return
+                (encoded, n), self._encoded = self._encoded, None
+                self._cond.notify_all()
+            try:
+                written = self.store.insert_encoded(encoded)
+            except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
+                self._failed(n, exc)
+                continue
+            with self._cond:
+                self._written += written
+                self._batches += 1
+                self._in_flight -= n
+                self._cond.notify_all()
+
+    def _failed(self, n: int, exc: Exception) -> None:
+        """A batch of ``n`` spans the store could not take: counted, logged once a minute."""
         with self._cond:
-            self._written += written
-            self._batches += 1
+            self._dropped_error += n
+            self._in_flight -= n
+            self._cond.notify_all()
+        now = time.monotonic()
+        if now - self._last_error_log >= _LOG_EVERY_S:
+            self._last_error_log = now
+            log.warning(
+                "trace store %s rejected %d spans (%s); dropping them and carrying on "
+                "(logged at most once a minute)",
+                _describe(self.store),
+                n,
+                exc,
+            )
+        self._report_drop(DROP_STORE_ERROR, n)
 
     def _report_drop(self, reason: str, n: int) -> None:
         if self.on_drop is None:

@@ -4,6 +4,7 @@ the fast path renders most attribute values in Arrow rather than with ``attr_val
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from otelkv.spans import SpanRecord
-from otelkv.store import schema
+from otelkv.store import arrow_batch, schema
 from otelkv.store.arrow_batch import ARROW_SCHEMA, spans_to_arrow
 from otelkv.store.rows import span_to_row
 
@@ -173,3 +174,66 @@ def test_clean_path_takes_what_the_fast_path_refuses(bad: Any) -> None:
     (row,) = table.select(["SpanAttributes", "Duration"]).to_pylist()
     assert dict(row["SpanAttributes"]) == {"k": "a\ufffdb" if isinstance(bad, str) else "1.5"}
     assert row["Duration"] == 10
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+class Word(str, enum.Enum):
+    A = "a"
+
+
+# Values of one key vary in type between spans: the key-by-key path must fall back per key.
+SHAPED_LEAF = st.one_of(
+    st.sampled_from([0, -7, 2**63 - 1, 2**64, True, False, 0.5, 1e16, 1.5e-7, -0.0, float("nan"), None]),
+    st.sampled_from([Level.LOW, Word.A, b"\x00\xff", [1, "a"], {"k": 1.5}]),
+    TEXT,
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+@st.composite
+def shaped_batches(draw: st.DrawFn) -> list[SpanRecord]:
+    """Many spans per key shape (as one code path makes them), a few of rare shapes, and keys
+    whose values keep one type across spans or change it."""
+    shapes = draw(st.lists(st.lists(TEXT, min_size=1, max_size=5, unique=True), min_size=1, max_size=3))
+    # Per key: one fixed type for every span (the common case) or anything.
+    fixed = [[draw(st.sampled_from([None, str, int, float, bool])) for _ in shape] for shape in shapes]
+    typed = {str: TEXT, int: st.integers(-(2**63), 2**63 - 1), float: st.floats(), bool: st.booleans()}
+    out = []
+    for i in range(draw(st.integers(arrow_batch.MIN_SHAPE_ROWS, 3 * arrow_batch.MIN_SHAPE_ROWS))):
+        if draw(st.integers(0, 9)) == 0:
+            attrs = draw(ATTRS)  # a rare shape
+        else:
+            s = draw(st.integers(0, len(shapes) - 1))
+            attrs = {
+                k: draw(typed[t] if t is not None else SHAPED_LEAF)
+                for k, t in zip(shapes[s], fixed[s], strict=True)
+            }
+        out.append(SpanRecord(f"t{i}", "s", "", "n", "Internal", i, i + 1, attrs, {"service.name": "svc"}))
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shaped_batches())
+def test_key_by_key_path_equals_span_to_row(spans: list[SpanRecord]) -> None:
+    table = spans_to_arrow(spans)
+    assert as_rows(table) == [span_to_row(s) for s in spans]
+
+
+def test_key_by_key_path_is_taken_and_keeps_row_order() -> None:
+    """Two interleaved shapes of typed values, plus rare and empty maps, back in row order."""
+    n = 4 * arrow_batch.MIN_SHAPE_ROWS
+    attrs = [
+        {"a": i, "b": f"s{i}", "c": i / 4, "d": i % 2 == 0}
+        if i % 3 == 0
+        else ({"x": 1e16 * i, "y": Level.LOW, "z": None} if i % 3 == 1 else ({} if i % 2 else {"rare": [i]}))
+        for i in range(n)
+    ]
+    spans = [SpanRecord(f"t{i}", "s", "", "n", "Internal", 0, 1, a, {}) for i, a in enumerate(attrs)]
+    maps = [dict(m) for m in spans_to_arrow(spans)["SpanAttributes"].to_pylist()]
+    assert maps == [span_to_row(s)[11] for s in spans]
+    assert maps[0] == {"a": "0", "b": "s0", "c": "0", "d": "true"}
+    assert maps[1] == {"x": "10000000000000000", "y": "1", "z": ""}

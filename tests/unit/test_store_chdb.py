@@ -7,6 +7,7 @@ the retention as soon as they are written.
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import textwrap
@@ -306,3 +307,123 @@ def test_second_process_gets_clear_error(tmp_path: Path) -> None:
     assert done.returncode == 3, done.stderr
     assert "is open in another process" in done.stdout
     assert "otelkv sidecar" in done.stdout and "--sidecar URL" in done.stdout
+
+
+def test_slowest_turn_spans_pick_one_span_per_trace_however_far_down(store: ChdbStore) -> None:
+    """Traces whose agent span is slower than the sidecar's span (which speaks for them) fill
+    the first candidates: the answer is still the one-span-per-trace ranking, in a window."""
+    spans, expected = [], []
+    for i in range(40):
+        trace = f"s{i:02d}"
+        start = NOW + i * SEC
+        # The agent's span: slow, not the trace's turn span (the sidecar's is).
+        spans.append(turn(f"c{i}", 0, start - 1000, 1.0, 500.0 + i, trace, scope="agent"))
+        spans.append(turn(f"c{i}", 0, start, 1.0, 10.0 + i, trace, scope=names.SCOPE_SIDECAR))
+        expected.append((10.0 + i, trace))
+    for i in range(5):  # traces with an agent's span only: that span speaks for them
+        spans.append(turn(f"d{i}", 0, NOW + i * SEC, 1.0, 30.5 + i, f"a{i:02d}", scope="agent"))
+        expected.append((30.5 + i, f"a{i:02d}"))
+    store.insert_spans(spans)
+    expected.sort(reverse=True)
+    for limit in (1, 3, 12, 100):
+        got = queries.turn_spans(store, limit=limit)
+        assert [s.trace_id[:3] for s in got] == [t for _, t in expected[:limit]]
+        assert all(s.scope_name == names.SCOPE_SIDECAR for s in got if s.trace_id.startswith("s"))
+    window = queries.turn_spans(store, since_ns=NOW + 10 * SEC, until_ns=NOW + 20 * SEC, limit=4)
+    # s20's sidecar span starts at the window's end, its agent's span just inside: that one counts.
+    assert [(s.trace_id[:3], s.scope_name) for s in window] == [
+        ("s20", "agent"),
+        ("s19", names.SCOPE_SIDECAR),
+        ("s18", names.SCOPE_SIDECAR),
+        ("s17", names.SCOPE_SIDECAR),
+    ]
+    assert queries.turn_spans(store, limit=0) == []
+    # The sidecar span starts in the window, the agent's before it: the sidecar's is picked.
+    edge = queries.turn_spans(store, since_ns=NOW + 39 * SEC, limit=5)
+    assert [(s.trace_id[:3], s.scope_name) for s in edge] == [("s39", names.SCOPE_SIDECAR)]
+
+
+def test_trace_spans_read_each_trace_in_its_own_range(store: ChdbStore) -> None:
+    """Traces days apart, one lasting past a whole second, and more traces than ranges."""
+    far = [
+        span("f1", "a", "x", NOW - 2 * 86400 * SEC, 0.1),
+        span("f1", "b", "y", NOW - 2 * 86400 * SEC + 1, 0.1),
+    ]
+    edge = [span("e1", "a", "x", NOW, 0.1), span("e1", "b", "y", NOW + SEC + SEC - 1, 0.1)]
+    many = [span(f"m{i:03d}", "a", "x", NOW + i * 10 * SEC, 0.1) for i in range(queries.MAX_TIME_RANGES + 5)]
+    store.insert_spans(far + edge + many)
+    assert [s.span_id[:1] for s in queries.trace_spans(store, ["f1".ljust(32, "0")])] == ["a", "b"]
+    assert [s.span_id[:1] for s in queries.trace_spans(store, ["e1".ljust(32, "0")])] == ["a", "b"]
+    ids = [s.trace_id for s in far + edge + many]
+    assert len(queries.trace_spans(store, ids)) == len(far + edge + many)
+
+
+def test_merge_ranges() -> None:
+    assert queries.merge_ranges([], 3) == []
+    assert queries.merge_ranges([(5, 6), (0, 2), (2, 3)], 3) == [(0, 3), (5, 6)]
+    # Four ranges into two: the widest gap (10 -> 50) stays a break.
+    assert queries.merge_ranges([(0, 1), (3, 4), (8, 10), (50, 51)], 2) == [(0, 10), (50, 51)]
+    assert queries.merge_ranges([(0, 1), (3, 4)], 1) == [(0, 4)]
+
+
+def test_engine_requests_narrow_read(store: ChdbStore) -> None:
+    attrs = {names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: 300, "other": "x"}
+    store.insert_spans(
+        [span("n1", f"r{i}", "kv_request prefill", NOW + i, 0.5, attrs) for i in range(3)]
+        + [span("n2", "t", "chat tiny", NOW, 1.0, {names.ROLE: "x"})]
+    )
+    full = queries.engine_requests(store, since_ns=NOW, until_ns=NOW + SEC, limit=2)
+    narrow = queries.engine_requests(
+        store,
+        since_ns=NOW,
+        until_ns=NOW + SEC,
+        limit=2,
+        attributes=[names.TOKENS_COMPUTED, names.ROLE, "absent"],
+    )
+    assert [s.span_id for s in narrow] == [s.span_id for s in full]
+    assert [(s.start_ns, s.end_ns, s.name, s.scope_name) for s in narrow] == [
+        (s.start_ns, s.end_ns, s.name, s.scope_name) for s in full
+    ]
+    assert narrow[0].attributes == {names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: "300"}
+    assert narrow[0].resource == {} and full[0].resource["service.name"] == "agent"
+
+
+def test_insert_encoded_takes_an_encoded_batch(store: ChdbStore) -> None:
+    batch = store.encode_spans([turn("ia", 0, NOW, 1.0, 1.0, "ia"), turn("ia", 1, NOW + SEC, 1.0, 1.0, "ib")])
+    assert store.insert_encoded(batch) == 2
+    assert store.insert_encoded(store.encode_spans([])) == 0
+    assert queries.find_turn(store, "ia", 1) is not None
+    with pytest.raises(StoreError, match="ARROW_SCHEMA"):
+        store.insert_encoded(batch.drop_columns(["TraceId"]))
+
+
+def test_slowest_turn_spans_equal_the_whole_ranking(store: ChdbStore) -> None:
+    """The two-step read gives the head of the one-statement ranking (``limit=None`` reads
+    every turn span of the window in one query), on traces with one, two or three turn spans."""
+    rng = random.Random(7)
+    spans = []
+    for i in range(300):
+        trace = f"r{i:03d}"
+        start = NOW + rng.randrange(0, 600) * SEC + i
+        scopes = rng.choice(
+            [[names.SCOPE_SIDECAR], ["agent"], ["agent", names.SCOPE_SIDECAR], ["agent", "agent"]]
+        )
+        for j, scope in enumerate(scopes):
+            total = rng.choice([None, 0.0, rng.uniform(0.1, 100.0)])
+            spans.append(
+                turn(
+                    f"c{i % 17}",
+                    j,
+                    start + j * rng.randrange(-5, 5) * SEC,
+                    rng.uniform(0.1, 90.0),
+                    total,
+                    trace,
+                    scope=scope,
+                )
+            )
+    store.insert_spans(spans)
+    for since, until in ((None, None), (NOW + 100 * SEC, NOW + 400 * SEC), (NOW + 590 * SEC, None)):
+        whole = [s.span_id for s in queries.turn_spans(store, since_ns=since, until_ns=until, limit=None)]
+        for limit in (1, 5, 40, 400):
+            got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
+            assert [s.span_id for s in got] == whole[:limit]

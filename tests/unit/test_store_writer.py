@@ -21,12 +21,21 @@ class FakeStore:
 
     def __init__(self, fail_first: int = 0, gate: threading.Event | None = None) -> None:
         self.batches: list[int] = []
+        self.encoded: list[int] = []
+        self.inserted_ids: list[str] = []
         self.fail_first = fail_first
         self.gate = gate
         self.entered = threading.Event()
-        """Set once the writer is inside insert_spans (holding its batch)."""
+        """Set once the writer is inside insert_encoded (holding its batch)."""
 
     def insert_spans(self, batch: Sequence[SpanRecord]) -> int:
+        return self.insert_encoded(self.encode_spans(batch))
+
+    def encode_spans(self, batch: Sequence[SpanRecord]) -> list[SpanRecord]:
+        self.encoded.append(len(batch))
+        return list(batch)
+
+    def insert_encoded(self, batch: list[SpanRecord]) -> int:
         self.entered.set()
         if self.gate is not None:
             self.gate.wait(5)
@@ -34,6 +43,7 @@ class FakeStore:
             self.fail_first -= 1
             raise RuntimeError("disk full")
         self.batches.append(len(batch))
+        self.inserted_ids.extend(s.span_id for s in batch)
         return len(batch)
 
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -64,20 +74,40 @@ def test_full_queue_drops_new_spans_and_counts() -> None:
     store = FakeStore(gate=gate)
     writer = BatchWriter(
         store,
-        max_queue_spans=10,
+        max_queue_spans=20,
         batch_spans=10,
         flush_interval_s=0.01,
         on_drop=lambda r, n: drops.append((r, n)),
     )
     assert writer.submit(spans(10))
     assert store.entered.wait(5)  # the writer holds the batch, stuck in the store
-    assert writer.submit(spans(10))  # queue has room again
+    assert writer.submit(spans(10))  # room for it: the bound counts the batch in the store
     assert not writer.submit(spans(5))  # full: the new spans are dropped
     assert writer.stats()["dropped_queue_full"] == 5 and writer.stats()["queued"] == 20
     assert drops == [(DROP_QUEUE_FULL, 5)]
     gate.set()
     assert writer.flush(timeout=5)
     assert writer.stats()["written"] == 20
+    writer.close()
+
+
+def test_the_next_batch_is_encoded_while_one_is_inserted_and_order_holds() -> None:
+    gate = threading.Event()
+    store = FakeStore(gate=gate)
+    writer = BatchWriter(store, batch_spans=4, flush_interval_s=0.01)
+    sent = spans(12)
+    writer.submit(sent[:4])
+    assert store.entered.wait(5)  # the first batch is stuck in the store
+    writer.submit(sent[4:])
+    deadline = time.monotonic() + 5
+    while len(store.encoded) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.encoded[:2] == [4, 4] and store.batches == []  # encoded meanwhile, none inserted
+    assert writer.stats()["queued"] == 12  # taken or not, nothing is written yet
+    gate.set()
+    assert writer.flush(timeout=5)
+    assert store.inserted_ids == [s.span_id for s in sent]
+    assert writer.stats()["written"] == 12 and writer.stats()["batches"] == 3
     writer.close()
 
 
@@ -118,4 +148,26 @@ def test_bad_on_drop_callback_is_ignored() -> None:
 
     writer = BatchWriter(FakeStore(), max_queue_spans=1, on_drop=boom)
     assert not writer.submit(spans(2))
+    writer.close()
+
+
+def test_a_batch_that_cannot_be_encoded_is_dropped_and_counted() -> None:
+    class BadFirstBatch(FakeStore):
+        def encode_spans(self, batch: Sequence[SpanRecord]) -> list[SpanRecord]:
+            if not self.encoded:
+                self.encoded.append(0)
+                raise ValueError("not encodable")
+            return super().encode_spans(batch)
+
+    drops: list[tuple[str, int]] = []
+    store = BadFirstBatch()
+    writer = BatchWriter(
+        store, batch_spans=3, flush_interval_s=0.01, on_drop=lambda r, n: drops.append((r, n))
+    )
+    writer.submit(spans(3))
+    assert writer.flush(timeout=5)
+    writer.submit(spans(2))
+    assert writer.flush(timeout=5)
+    assert drops == [(DROP_STORE_ERROR, 3)] and store.batches == [2]
+    assert writer.stats() == {**writer.stats(), "written": 2, "dropped_store_error": 3, "queued": 0}
     writer.close()
