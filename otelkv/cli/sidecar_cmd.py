@@ -158,8 +158,10 @@ def run_sidecar(args: argparse.Namespace) -> int:
     from otelkv.store.base import StoreError
 
     _check_args(args)
-    # A crash in native code (chDB, uvloop, httptools) prints every thread's Python stack.
-    faulthandler.enable()
+    # A crash in native code (chDB, uvloop, httptools) prints every thread's Python stack;
+    # a stderr without a file descriptor (captured, embedded) gets no such report.
+    with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):
+        faulthandler.enable()
     host, port = _host_port(args.listen, "--listen")
     admin_host, admin_port = _host_port(args.admin_listen, "--admin-listen")
     store_path = Path(args.store).expanduser() if args.store else default_store_path()

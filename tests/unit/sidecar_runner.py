@@ -29,7 +29,7 @@ from typing import Any
 from otelkv.sidecar.app import Sidecar, SidecarConfig
 
 
-def _failing_insert(spans: Any) -> int:
+def _failing_insert(encoded: Any) -> int:
     raise OSError(errno.ENOSPC, "injected: no space left on device")
 
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         store_path=Path(args.store) if args.store else None,
     )
     sidecar = Sidecar(config).start()
-    real_insert = sidecar.store.insert_spans if sidecar.store is not None else None
+    real_insert = sidecar.store.insert_encoded if sidecar.store is not None else None
     print(
         json.dumps({"proxy": sidecar.url, "admin": sidecar.admin_url, "proxy_pid": sidecar.proxy.pid}),
         flush=True,
@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             elif command == "close-store":
                 sidecar.store.close()
             elif command == "fail-inserts":
-                sidecar.store.insert_spans = _failing_insert
+                sidecar.store.insert_encoded = _failing_insert
             elif command == "heal-inserts":
-                sidecar.store.insert_spans = real_insert
+                sidecar.store.insert_encoded = real_insert
             elif command == "stop":
                 break
             elif command != "stats":
