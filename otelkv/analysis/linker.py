@@ -57,15 +57,20 @@ def load_turns(
     inferred = infer_joins(source, by_trace)
     for join, spans in inferred.values():
         by_trace[join.turn_trace_id] = by_trace[join.turn_trace_id] + spans
-    lo = min(s.start_ns - int(attr_float(s.attributes, names.TURN_GAP_SECONDS) * 1e9) for s in turn_spans)
-    hi = max(s.start_ns for s in turn_spans)
+    gaps = [_gap_window(s, by_trace) for s in turn_spans]
+    lo, hi = min(g[0] for g in gaps), max(g[1] for g in gaps)
     tools: list[SpanRecord] = []
     if hi > lo:
         if conversation_id is not None:
             tools = source.tool_spans(since_ns=lo, until_ns=hi, conversation_id=conversation_id)
-        else:  # only these turns' conversations: a window of days holds far more tool spans
+        else:  # only these turns' conversations, and the gaps before them: a window of days
+            # holds far more tool spans than the turns (slowest of days, say) can use
             convs = sorted({attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) for s in turn_spans} - {""})
-            tools = source.tool_spans(since_ns=lo, until_ns=hi, conversation_ids=convs) if convs else []
+            tools = (
+                source.tool_spans(since_ns=lo, until_ns=hi, conversation_ids=convs, windows=gaps)
+                if convs
+                else []
+            )
     previous: dict[str, Turn | None] = {}
     for pid in set(p for p in prev_ids if p) - set(wanted):
         previous[pid] = build_turn(by_trace.get(pid, []), tool_spans=tools)
@@ -84,6 +89,20 @@ def load_turns(
             built[span.trace_id] = turn
             out.append(turn)
     return out
+
+
+def _gap_window(turn_span: SpanRecord, by_trace: dict[str, list[SpanRecord]]) -> tuple[int, int]:
+    """A time range holding the gap before a turn, however :func:`build_turn` measures it:
+    from the turn's trace's first span less ``otelkv.turn.gap_s`` (the sidecar's gap), or
+    from the start of the previous turn's trace when it was read (a gap recomputed from the
+    previous turn's end), to the turn span's start."""
+    trace = by_trace.get(turn_span.trace_id) or [turn_span]
+    first = min(s.start_ns for s in trace)
+    lo = first - int(attr_float(turn_span.attributes, names.TURN_GAP_SECONDS) * 1e9)
+    previous = by_trace.get(attr_str(turn_span.attributes, names.TURN_PREVIOUS_TRACE_ID))
+    if previous:
+        lo = min(lo, min(s.start_ns for s in previous))
+    return lo, max(turn_span.start_ns, first)
 
 
 WINDOW_CHUNK = 2000

@@ -61,7 +61,11 @@ class SpanSource(Protocol):
         until_ns: int | None,
         conversation_id: str | None = None,
         conversation_ids: Sequence[str] | None = None,
-    ) -> list[SpanRecord]: ...
+        windows: Sequence[tuple[int, int]] | None = None,
+    ) -> list[SpanRecord]:
+        """Tool spans overlapping ``[since_ns, until_ns]`` (and, with ``windows``, one of these
+        ``[lo, hi]``: the gaps before a few turns far apart), of one conversation or several."""
+        ...
 
     def find_turn(self, conversation_id: str, index: int) -> SpanRecord | None: ...
 
@@ -133,6 +137,7 @@ class InMemorySource:
         until_ns: int | None = None,
         conversation_id: str | None = None,
         conversation_ids: Sequence[str] | None = None,
+        windows: Sequence[tuple[int, int]] | None = None,
     ) -> list[SpanRecord]:
         wanted = set(conversation_ids) if conversation_ids is not None else None
         return [
@@ -141,6 +146,7 @@ class InMemorySource:
             if is_tool_span(s)
             and (since_ns is None or s.end_ns > since_ns)
             and (until_ns is None or s.start_ns < until_ns)
+            and (windows is None or any(s.end_ns >= lo and s.start_ns <= hi for lo, hi in windows))
             and (
                 conversation_id is None
                 or attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
@@ -235,6 +241,7 @@ class StoreSource:
         until_ns: int | None = None,
         conversation_id: str | None = None,
         conversation_ids: Sequence[str] | None = None,
+        windows: Sequence[tuple[int, int]] | None = None,
     ) -> list[SpanRecord]:
         return list(
             self._q().tool_spans(
@@ -243,6 +250,7 @@ class StoreSource:
                 until_ns=until_ns,
                 conversation_id=conversation_id,
                 conversation_ids=conversation_ids,
+                windows=windows,
             )
         )
 

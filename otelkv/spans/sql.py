@@ -51,6 +51,10 @@ AGENT_TURN_SPANS = (
 """An agent's own turn spans (:func:`otelkv.spans.kinds.is_agent_turn_span`)."""
 TURN_SPANS = f"({SIDECAR_TURN_SPANS} OR {AGENT_TURN_SPANS})"
 """Every turn span (:func:`otelkv.spans.kinds.is_turn_span`)."""
+_TURN_TOTAL = f"toFloat64OrZero({attr(names.TURN_TOTAL_SECONDS)})"
+TURN_LATENCY_S = f"if({_TURN_TOTAL} > 0, {_TURN_TOTAL}, Duration / 1e9)"
+"""A turn span's latency in seconds, as ``otelkv slow`` ranks turns: ``otelkv.turn.total_s``,
+else (absent or 0) the span's duration."""
 TOOL_SPANS = f"({OPERATION} = {lit(names.OPERATION_EXECUTE_TOOL)} OR {name_like(kinds.TOOL_PREFIX)})"
 ENGINE_REQUEST_SPANS = f"({name_like(kinds.ENGINE_REQUEST_PREFIX)} AND {has_attr(names.ROLE)})"
 PREFILL_SPANS = f"({ENGINE_REQUEST_SPANS} AND {attr(names.ROLE)} = {lit(names.ROLE_PREFILL)})"

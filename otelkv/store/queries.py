@@ -18,6 +18,14 @@ from otelkv.store.base import TraceStore
 from otelkv.store.rows import SPAN_SELECT, row_to_span
 
 
+def _turns_table(store: TraceStore) -> str | None:
+    """The turns table's qualified name when the store has it (``turns_index``), else None."""
+    if not getattr(store, "turns_index", False):
+        return None
+    db = schema.quote_ident(getattr(store, "database", "otel"))
+    return f"{db}.{schema.quote_ident(schema.TURNS_TABLE)}"
+
+
 def _tables(store: TraceStore) -> tuple[str, str]:
     db = schema.quote_ident(getattr(store, "database", "otel"))
     traces = f"{db}.{schema.quote_ident(schema.TRACES_TABLE)}"
@@ -36,13 +44,6 @@ def _window(where: list[str], params: dict[str, Any], since_ns: int | None, unti
     if until_ns is not None:
         where.append("Timestamp < fromUnixTimestamp64Nano({until_ns:Int64})")
         params["until_ns"] = int(until_ns)
-
-
-def _latency(params: dict[str, Any]) -> str:
-    """A turn span's latency for ordering: ``otelkv.turn.total_s``, else (absent or 0) its duration."""
-    params["total_key"] = names.TURN_TOTAL_SECONDS
-    total = "toFloat64OrZero(SpanAttributes[{total_key:String}])"
-    return f"if({total} > 0, {total}, Duration / 1e9)"
 
 
 def turn_spans(
@@ -73,7 +74,7 @@ def turn_spans(
         params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
         order = "StartNs ASC, SpanId"
     else:
-        order = f"{_latency(params)} {'DESC' if slowest_first else 'ASC'}, StartNs ASC"
+        order = f"{span_sql.TURN_LATENCY_S} {'DESC' if slowest_first else 'ASC'}, StartNs ASC"
     one_per_trace = (
         f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\n"
         "ORDER BY ScopeName = {sidecar_scope:String} DESC, Timestamp ASC, SpanId ASC\nLIMIT 1 BY TraceId"
@@ -88,37 +89,48 @@ def turn_spans(
 def _slowest_turn_spans(
     store: TraceStore, since_ns: int | None, until_ns: int | None, limit: int
 ) -> list[SpanRecord]:
-    """:func:`turn_spans` slowest first, ``limit`` of them, read in two steps.
+    """:func:`turn_spans` slowest first, ``limit`` of them, read in steps.
 
     Picking one span per trace before ordering (``LIMIT 1 BY TraceId`` over every turn span
     of the window) sorts every turn span of the window as whole rows, attribute maps and
     all (seconds on a store of a million turns); instead, the ``ask`` slowest turn spans
-    come first, as trace id and latency only (ClickHouse reads the other columns of those
-    rows alone), then every turn span of those traces, whole. Each trace's span is picked
-    as :func:`otelkv.spans.kinds.turn_rank` picks it, and a picked span among the ``ask``
-    slowest outranks every span outside them: when ``limit`` picked spans are among them,
-    they are the answer; otherwise ``ask`` grows. A window with fewer than ``ask`` turn
-    spans was read whole.
+    come first, as ids and latency only, then every turn span of those traces. Each trace's
+    span is picked as :func:`otelkv.spans.kinds.turn_rank` picks it, and a picked span among
+    the ``ask`` slowest outranks every span outside them: when ``limit`` picked spans are
+    among them, they are the answer; otherwise ``ask`` grows. A window with fewer than
+    ``ask`` turn spans was read whole.
+
+    With the turns table (:data:`otelkv.store.schema.TURNS_TABLE`) both steps read its
+    narrow columns, and the picked spans are then read whole from ``otel_traces`` at their
+    exact timestamps; without it (a fleet's ClickHouse where nobody created it) they read
+    ``otel_traces``, ranking by the latency in each turn span's attribute map.
     """
     if limit == 0:
         return []
     table, _ = _tables(store)
-    where = [span_sql.TURN_SPANS]
+    turns = _turns_table(store)
     params: dict[str, Any] = {}
-    _window(where, params, since_ns, until_ns)
-    latency = _latency(params)
-    cond = " AND ".join(where)
+    if turns is not None:
+        where: list[str] = []
+        _window(where, params, since_ns, until_ns)
+        source, latency, cond = turns, "Latency", " AND ".join(where) or "1"
+        whole_cols = "toUnixTimestamp64Nano(Timestamp) AS StartNs, TraceId, SpanId, ScopeName"
+    else:
+        where = [span_sql.TURN_SPANS]
+        _window(where, params, since_ns, until_ns)
+        source, latency, cond = table, span_sql.TURN_LATENCY_S, " AND ".join(where)
+        whole_cols = SPAN_SELECT
     ask = 2 * limit + 8
     while True:
         params["ask"] = ask
         slowest = store.query(
             f"SELECT TraceId, SpanId, toUnixTimestamp64Nano(Timestamp) AS StartNs, {latency} AS Latency\n"
-            f"FROM {table}\nWHERE {cond}\nORDER BY Latency DESC, StartNs ASC\nLIMIT {{ask:UInt64}}",
+            f"FROM {source}\nWHERE {cond}\nORDER BY Latency DESC, StartNs ASC\nLIMIT {{ask:UInt64}}",
             params,
         )
         ranked = {(r["TraceId"], r["SpanId"], int(r["StartNs"])) for r in slowest}
         rows = store.query(
-            f"SELECT {SPAN_SELECT}, {latency} AS Latency\nFROM {table}\n"
+            f"SELECT {whole_cols}, {latency} AS Latency\nFROM {source}\n"
             f"WHERE {cond} AND TraceId IN {{trace_ids:Array(String)}}",
             {**params, "trace_ids": sorted({r["TraceId"] for r in slowest})},
         )
@@ -131,8 +143,33 @@ def _slowest_turn_spans(
         ]
         if whole or len(found) >= limit:
             found.sort(key=lambda r: (-float(r["Latency"]), int(r["StartNs"])))
-            return [row_to_span(r) for r in found[:limit]]
+            found = found[:limit]
+            return [row_to_span(r) for r in (found if turns is None else _whole_spans(store, found))]
         ask *= 4
+
+
+def _whole_spans(store: TraceStore, found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``otel_traces`` rows of turns-table rows (trace id, span id, start), in their order.
+
+    Each is read at its exact start (``Timestamp`` is in the primary key; the nearest of
+    :data:`MAX_TIME_RANGES` ranges merged) with the trace-id bloom filter. A turn whose span
+    is gone (retention dropped it between the two reads) is left out."""
+    if not found:
+        return []
+    table, _ = _tables(store)
+    params: dict[str, Any] = {
+        "trace_ids": sorted({r["TraceId"] for r in found}),
+        "span_ids": sorted({r["SpanId"] for r in found}),
+    }
+    starts = [(int(r["StartNs"]), int(r["StartNs"]) + 1) for r in found]
+    rows = store.query(
+        f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE TraceId IN {{trace_ids:Array(String)}} "
+        f"AND SpanId IN {{span_ids:Array(String)}} AND {_in_ranges(starts, params)}",
+        params,
+    )
+    by_key = {(r["TraceId"], r["SpanId"], int(r["StartNs"])): r for r in rows}
+    keys = [(r["TraceId"], r["SpanId"], int(r["StartNs"])) for r in found]
+    return [by_key[k] for k in keys if k in by_key]
 
 
 def _turn_row_rank(row: dict[str, Any]) -> tuple[bool, int, str]:
@@ -164,15 +201,9 @@ def trace_spans(store: TraceStore, trace_ids: Sequence[str]) -> list[SpanRecord]
         {"trace_ids": ids},
     )
     params: dict[str, Any] = {"trace_ids": ids}
-    where = []
     # The lookup keeps whole seconds: a trace lies in [Start, End + 1 s).
     ranges = [(int(r["Start"]) * 10**9, (int(r["End"]) + 1) * 10**9) for r in known]
-    for i, (lo, hi) in enumerate(merge_ranges(ranges, MAX_TIME_RANGES)):
-        where.append(
-            f"(Timestamp >= fromUnixTimestamp64Nano({{lo{i}:Int64}}) "
-            f"AND Timestamp < fromUnixTimestamp64Nano({{hi{i}:Int64}}))"
-        )
-        params.update({f"lo{i}": lo, f"hi{i}": hi})
+    where = [_in_ranges(ranges, params)] if ranges else []
     unknown = sorted(set(ids) - {str(r["TraceId"]) for r in known})
     if unknown:
         where.append("TraceId IN {unknown_ids:Array(String)}")
@@ -184,6 +215,19 @@ WHERE TraceId IN {{trace_ids:Array(String)}}
   AND ({" OR ".join(where)})
 ORDER BY Timestamp ASC, SpanId"""
     return _spans(store, sql, params)
+
+
+def _in_ranges(ranges: Sequence[tuple[int, int]], params: dict[str, Any]) -> str:
+    """``Timestamp`` in one of the half-open ``ranges`` (ns; at most :data:`MAX_TIME_RANGES`,
+    the nearest merged), its bounds added to ``params``; ``ranges`` must not be empty."""
+    ors = []
+    for i, (lo, hi) in enumerate(merge_ranges(ranges, MAX_TIME_RANGES)):
+        ors.append(
+            f"(Timestamp >= fromUnixTimestamp64Nano({{lo{i}:Int64}}) "
+            f"AND Timestamp < fromUnixTimestamp64Nano({{hi{i}:Int64}}))"
+        )
+        params.update({f"lo{i}": lo, f"hi{i}": hi})
+    return f"({' OR '.join(ors)})"
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], most: int) -> list[tuple[int, int]]:
@@ -214,8 +258,11 @@ def tool_spans(
     until_ns: int,
     conversation_id: str | None = None,
     conversation_ids: Sequence[str] | None = None,
+    windows: Sequence[tuple[int, int]] | None = None,
 ) -> list[SpanRecord]:
-    """``execute_tool {name}`` spans overlapping ``[since_ns, until_ns]``, in start order.
+    """``execute_tool {name}`` spans overlapping ``[since_ns, until_ns]``, in start order;
+    with ``windows``, only those overlapping one of these ``[lo, hi]`` too (at most
+    :data:`MAX_TIME_RANGES` are queried, the nearest merged: never fewer spans).
 
     Filter by one conversation or several (``otelkv slow`` asks for the tool spans of its
     turns' conversations only: a window spanning days holds far more).
@@ -236,6 +283,15 @@ def tool_spans(
         "since_ns": int(since_ns),
         "until_ns": int(until_ns),
     }
+    if windows is not None:
+        ors = []
+        for i, (lo, hi) in enumerate(merge_ranges([(int(a), int(b)) for a, b in windows], MAX_TIME_RANGES)):
+            ors.append(
+                f"(Timestamp <= fromUnixTimestamp64Nano({{whi{i}:Int64}}) "
+                f"AND toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {{wlo{i}:Int64}})"
+            )
+            params.update({f"wlo{i}": lo, f"whi{i}": hi})
+        overlap.append(f"({' OR '.join(ors)})" if ors else "0")
     if conversation_id is not None:
         where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
         params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)

@@ -6,6 +6,13 @@ branch), ``traces_id_ts_lookup_table.sql`` and ``traces_id_ts_lookup_mv.sql``, w
 exporter's defaults: engine ``MergeTree()``, no ``ON CLUSTER``, table ``otel_traces``, TTL
 ``toDateTime(<column>) + toInterval<Unit>(N)``.
 
+Beside them, one table of otelkv's own, filled by a materialized view on ``otel_traces``:
+``otelkv_turns``, a row per turn span (time, ids, conversation, latency). It is an index, not
+a copy: ranking a million turns by latency reads its few narrow columns instead of every
+turn span's attribute map, and the spans themselves are still read from ``otel_traces``. A
+store opened without it (a reader of a fleet's ClickHouse where nobody created it) is
+queried without it.
+
 Why the exact schema and not our own: a fleet that already runs the collector with the
 ClickHouse exporter has these tables, so every query in :mod:`otelkv.store.queries` runs
 unchanged against the embedded chDB store and against that fleet's ClickHouse. Keep the
@@ -17,9 +24,14 @@ from __future__ import annotations
 
 import re
 
+from otelkv import names
+from otelkv.spans import sql as span_sql
+
 TRACES_TABLE = "otel_traces"
 TRACE_ID_TS_TABLE = "otel_traces_trace_id_ts"
 TRACE_ID_TS_MV = "otel_traces_trace_id_ts_mv"
+TURNS_TABLE = "otelkv_turns"
+TURNS_MV = "otelkv_turns_mv"
 
 COLUMNS: tuple[str, ...] = (
     "Timestamp",
@@ -115,6 +127,38 @@ FROM {db}.{table}
 WHERE TraceId != ''
 GROUP BY TraceId"""
 
+_TURNS_TABLE_SQL = """\
+CREATE TABLE IF NOT EXISTS {db}.{turns} (
+    Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    ScopeName LowCardinality(String) CODEC(ZSTD(1)),
+    ConversationId String CODEC(ZSTD(1)),
+    Latency Float64 CODEC(ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
+    INDEX idx_conversation_id ConversationId TYPE bloom_filter(0.001) GRANULARITY 1
+) ENGINE = MergeTree()
+PARTITION BY toDate(Timestamp)
+ORDER BY (Timestamp)
+{ttl_timestamp}
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+
+_TURNS_SELECT = f"""\
+SELECT
+    Timestamp,
+    TraceId,
+    SpanId,
+    ScopeName,
+    {span_sql.attr(names.GEN_AI_CONVERSATION_ID)} AS ConversationId,
+    {span_sql.TURN_LATENCY_S} AS Latency
+FROM {{db}}.{{table}}
+WHERE {span_sql.TURN_SPANS}"""
+
+_TURNS_MV_SQL = f"""\
+CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{{turns_mv}}
+TO {{db}}.{{turns}}
+AS {_TURNS_SELECT}"""
+
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -139,7 +183,9 @@ def ttl_expr(column: str, *, retention_days: int | None = None, retention_hours:
 def create_statements(
     database: str = "otel", *, retention_days: int | None = 7, retention_hours: int | None = None
 ) -> list[str]:
-    """DDL to run, in order: database, spans table, trace-id lookup table, its materialized view.
+    """DDL to run, in order: database, spans table, trace-id lookup table and its materialized
+    view, turns table and its materialized view. A turns table created by these statements
+    on a store that already holds spans is filled by :func:`turns_backfill`.
 
     ``retention_hours`` wins over ``retention_days`` when both are given; neither (or 0)
     means no TTL, as in the exporter.
@@ -151,6 +197,8 @@ def create_statements(
         "table": quote_ident(TRACES_TABLE),
         "lookup": quote_ident(TRACE_ID_TS_TABLE),
         "mv": quote_ident(TRACE_ID_TS_MV),
+        "turns": quote_ident(TURNS_TABLE),
+        "turns_mv": quote_ident(TURNS_MV),
     }
     ttl = {"retention_days": retention_days, "retention_hours": retention_hours}
     return [
@@ -158,4 +206,19 @@ def create_statements(
         _TRACES_TABLE_SQL.format(**names, ttl_timestamp=ttl_expr("Timestamp", **ttl)),
         _TRACE_ID_TS_TABLE_SQL.format(**names, ttl_start=ttl_expr("Start", **ttl)),
         _TRACE_ID_TS_MV_SQL.format(**names),
+        _TURNS_TABLE_SQL.format(**names, ttl_timestamp=ttl_expr("Timestamp", **ttl)),
+        _TURNS_MV_SQL.format(**names),
     ]
+
+
+def turns_exist_query(database: str = "otel") -> str:
+    """``EXISTS TABLE`` of the turns table (one row, ``result`` 1 or 0)."""
+    return f"EXISTS TABLE {quote_ident(database)}.{quote_ident(TURNS_TABLE)}"
+
+
+def turns_backfill(database: str = "otel") -> str:
+    """Fill the turns table from the spans already stored: run once, right after
+    :func:`create_statements` created the turns table on a store that had spans (its
+    view sees only inserts made after it exists)."""
+    select = _TURNS_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
+    return f"INSERT INTO {quote_ident(database)}.{quote_ident(TURNS_TABLE)}\n{select}"

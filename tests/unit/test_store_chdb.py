@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from otelkv import names
+from otelkv.analysis.sources import InMemorySource
 from otelkv.spans import SpanRecord, attr_bool, attr_float, attr_int
 from otelkv.store import StoreError, open_store, queries
 from otelkv.store.chdb_store import ChdbStore
@@ -197,16 +198,15 @@ def test_find_turn_prefers_sidecar_span(store: ChdbStore) -> None:
 
 def test_trace_spans_and_tool_spans(store: ChdbStore) -> None:
     conv = {names.GEN_AI_CONVERSATION_ID: "c1"}
-    store.insert_spans(
-        [
-            turn("c1", 0, NOW, 2.0, 2.0, "aa"),
-            span("aa", "r1", "kv_request prefill", NOW + 1, 0.5, parent="aa0"),
-            span("bb", "r2", "kv_request decode", NOW + 2, 0.5),
-            span("t7", "u1", "execute_tool search", NOW + 5 * SEC, 2.0, conv),
-            span("t7", "u2", "execute_tool fetch", NOW + 20 * SEC, 1.0, {names.GEN_AI_CONVERSATION_ID: "c2"}),
-            span("t7", "u3", "chat tiny", NOW + 6 * SEC, 1.0, conv),
-        ]
-    )
+    inserted = [
+        turn("c1", 0, NOW, 2.0, 2.0, "aa"),
+        span("aa", "r1", "kv_request prefill", NOW + 1, 0.5, parent="aa0"),
+        span("bb", "r2", "kv_request decode", NOW + 2, 0.5),
+        span("t7", "u1", "execute_tool search", NOW + 5 * SEC, 2.0, conv),
+        span("t7", "u2", "execute_tool fetch", NOW + 20 * SEC, 1.0, {names.GEN_AI_CONVERSATION_ID: "c2"}),
+        span("t7", "u3", "chat tiny", NOW + 6 * SEC, 1.0, conv),
+    ]
+    store.insert_spans(inserted)
     aa = queries.trace_spans(store, ["aa".ljust(32, "0")])
     assert [s.name for s in aa] == ["chat tiny", "kv_request prefill"]
     both = queries.trace_spans(store, ["aa".ljust(32, "0"), "bb".ljust(32, "0"), "missing"])
@@ -219,6 +219,19 @@ def test_trace_spans_and_tool_spans(store: ChdbStore) -> None:
     assert [s.name for s in tools] == ["execute_tool search", "execute_tool fetch"]
     tools = queries.tool_spans(store, since_ns=NOW, until_ns=NOW + 60 * SEC, conversation_id="c2")
     assert [s.name for s in tools] == ["execute_tool fetch"]
+    # Windows narrow the range: each keeps the tools overlapping it, as in memory.
+    cases = [
+        [(NOW + 6 * SEC, NOW + 6 * SEC), (NOW + 30 * SEC, NOW + 40 * SEC)],  # search only
+        [(NOW + 21 * SEC, NOW + 22 * SEC)],  # fetch only (started before the window)
+        [(NOW + 8 * SEC, NOW + 19 * SEC)],  # between the two: none
+        [],
+    ]
+    memory = InMemorySource(inserted)
+    for windows in cases:
+        tools = queries.tool_spans(store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows)
+        expected = memory.tool_spans(since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows)
+        assert [s.name for s in tools] == [s.name for s in expected], windows
+    assert len(queries.tool_spans(store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=cases[0])) == 1
 
 
 def test_trace_spans_without_lookup_rows(store: ChdbStore) -> None:
@@ -257,7 +270,15 @@ def test_ttl_clause_and_contrib_schema(store: ChdbStore) -> None:
     lookup = store.query("SHOW CREATE TABLE otel.otel_traces_trace_id_ts")[0]["statement"]
     assert "TTL toDateTime(Start) + toIntervalDay(7)" in lookup
     tables = {r["name"] for r in store.query("SELECT name FROM system.tables WHERE database = 'otel'")}
-    assert tables == {"otel_traces", "otel_traces_trace_id_ts", "otel_traces_trace_id_ts_mv"}
+    assert tables == {
+        "otel_traces",
+        "otel_traces_trace_id_ts",
+        "otel_traces_trace_id_ts_mv",
+        "otelkv_turns",
+        "otelkv_turns_mv",
+    }
+    turns = store.query("SHOW CREATE TABLE otel.otelkv_turns")[0]["statement"]
+    assert "TTL toDateTime(Timestamp) + toIntervalDay(7)" in turns
 
 
 def test_skip_indexes_are_built_by_merges(store: ChdbStore) -> None:
@@ -423,7 +444,31 @@ def test_slowest_turn_spans_equal_the_whole_ranking(store: ChdbStore) -> None:
             )
     store.insert_spans(spans)
     for since, until in ((None, None), (NOW + 100 * SEC, NOW + 400 * SEC), (NOW + 590 * SEC, None)):
-        whole = [s.span_id for s in queries.turn_spans(store, since_ns=since, until_ns=until, limit=None)]
+        whole = queries.turn_spans(store, since_ns=since, until_ns=until, limit=None)
         for limit in (1, 5, 40, 400):
-            got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
-            assert [s.span_id for s in got] == whole[:limit]
+            # Through the turns table, and as on a ClickHouse without it.
+            for store.turns_index in (True, False):
+                got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
+                assert got == whole[:limit], store.turns_index
+    store.turns_index = True
+
+
+def test_a_store_from_before_the_turns_table_is_indexed_when_opened(tmp_path: Path) -> None:
+    old = ChdbStore(tmp_path / "old")
+    old.query("DROP TABLE otel.otelkv_turns_mv")
+    old.query("DROP TABLE otel.otelkv_turns")
+    old.insert_spans([turn("o", i, NOW + i * SEC, 1.0 + i, 1.0 + i, f"o{i}") for i in range(3)])
+    old.close()
+    reopened = ChdbStore(tmp_path / "old")
+    try:
+        assert reopened.query("SELECT count() AS n FROM otel.otelkv_turns")[0]["n"] == 3
+        reopened.insert_spans([turn("o", 3, NOW + 3 * SEC, 9.0, 9.0, "o3")])  # the view, from now on
+        slowest = queries.turn_spans(reopened, limit=2)
+        assert [attr_int(s.attributes, names.TURN_INDEX) for s in slowest] == [3, 2]
+    finally:
+        reopened.close()
+    again = ChdbStore(tmp_path / "old")  # backfilled once: opening again adds nothing
+    try:
+        assert again.query("SELECT count() AS n FROM otel.otelkv_turns")[0]["n"] == 4
+    finally:
+        again.close()

@@ -61,9 +61,13 @@ def test_schema_created_on_open(fake: tuple[Fake, str]) -> None:
     state, url = fake
     ClickHouseHttpStore(url, retention_days=3)
     bodies = [r["body"] for r in state.requests]
-    assert bodies[0] == "CREATE DATABASE IF NOT EXISTS `otel`"
-    assert "CREATE TABLE IF NOT EXISTS `otel`.`otel_traces`" in bodies[1] and "toIntervalDay(3)" in bodies[1]
-    assert "otel_traces_trace_id_ts_mv" in bodies[3]
+    assert bodies[0] == "EXISTS TABLE `otel`.`otelkv_turns`"  # the fake answers no: backfilled below
+    assert bodies[1] == "CREATE DATABASE IF NOT EXISTS `otel`"
+    assert "CREATE TABLE IF NOT EXISTS `otel`.`otel_traces`" in bodies[2] and "toIntervalDay(3)" in bodies[2]
+    assert "otel_traces_trace_id_ts_mv" in bodies[4]
+    assert "CREATE TABLE IF NOT EXISTS `otel`.`otelkv_turns`" in bodies[5] and "toIntervalDay(3)" in bodies[5]
+    assert "otelkv_turns_mv" in bodies[6]
+    assert bodies[7].startswith("INSERT INTO `otel`.`otelkv_turns`") and len(bodies) == 8
 
 
 def test_query_commands_open_a_fleet_clickhouse_without_ddl(fake: tuple[Fake, str]) -> None:
