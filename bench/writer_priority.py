@@ -3,7 +3,8 @@
     .venv/bin/python bench/writer_priority.py            # about a minute
     .venv/bin/python bench/writer_priority.py --hogs 3 --rounds 2
 
-chDB holds the GIL while it reads an Arrow batch through ``Python(...)``. If the writer
+The store writer holds the GIL while it builds each batch's Arrow table (Python code; chDB
+then inserts it with the GIL released). If the writer
 thread is deprioritised (it once ran at nice 10 so that inserts would "yield" to requests)
 and the cores are busy, the GIL holder is the thread that cannot get a CPU, and every other
 thread of the process waits behind it. This bench measures that side by side in one run:

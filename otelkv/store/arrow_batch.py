@@ -1,8 +1,8 @@
 """A batch of :class:`SpanRecord` as an Arrow table in ``otel_traces`` column order.
 
-This is the Python half of every embedded-store insert (the GIL is held throughout, and
-chDB keeps it while it inserts), so it is built column-wise with as little per-span Python
-as possible: one comprehension per field turns the records into columns, and attribute
+This is the Python half of every embedded-store insert: the GIL is held throughout (chDB
+then inserts the table with the GIL released), so it is built column-wise with as little
+per-span Python as possible: one comprehension per field turns the records into columns, and attribute
 values are rendered to strings by Arrow instead of one Python call per value. Attribute
 maps of one shape (the same keys in the same order: spans made by one code path) are read
 key by key, each key's values typed with one ``set(map(type, ...))`` and converted with
