@@ -71,26 +71,26 @@ class ClickHouseHttpStore:
         self.timeout = timeout
         self._table = f"{schema.quote_ident(database)}.{schema.quote_ident(schema.TRACES_TABLE)}"
         self._closed = False
-        self._turns_index: bool | None = None
+        self._span_index: bool | None = None
         if create_schema:
-            had_turns = self._turns_exist()
+            had_index = self._index_exists()
             for statement in schema.create_statements(database, retention_days=retention_days):
                 self._post(statement.encode("utf-8"), {})
-            if not had_turns:  # spans stored before the turns table: index them once
-                self._post(schema.turns_backfill(database).encode("utf-8"), {})
-            self._turns_index = True
+            if not had_index:  # spans stored before the span index: index them once
+                self._post(schema.index_backfill(database).encode("utf-8"), {})
+            self._span_index = True
 
     @property
-    def turns_index(self) -> bool:
-        """The turns table exists (:mod:`otelkv.store.schema`), so queries can use it; asked
-        once, when a query first wants to know (a reader that never ranks turns never asks)."""
-        if self._turns_index is None:
-            self._turns_index = self._turns_exist()
-        return self._turns_index
+    def span_index(self) -> bool:
+        """The span index exists (:mod:`otelkv.store.schema`), so queries can use it; asked
+        once, when a query first wants to know (a reader that never needs it never asks)."""
+        if self._span_index is None:
+            self._span_index = self._index_exists()
+        return self._span_index
 
-    def _turns_exist(self) -> bool:
+    def _index_exists(self) -> bool:
         try:
-            return self._post(schema.turns_exist_query(self.database).encode("utf-8"), {}).strip() == b"1"
+            return self._post(schema.index_exists_query(self.database).encode("utf-8"), {}).strip() == b"1"
         except StoreError:  # unreachable or not allowed: the first query says so
             return False
 

@@ -7,11 +7,12 @@ exporter's defaults: engine ``MergeTree()``, no ``ON CLUSTER``, table ``otel_tra
 ``toDateTime(<column>) + toInterval<Unit>(N)``.
 
 Beside them, one table of otelkv's own, filled by a materialized view on ``otel_traces``:
-``otelkv_turns``, a row per turn span (time, ids, conversation, latency). It is an index, not
-a copy: ranking a million turns by latency reads its few narrow columns instead of every
-turn span's attribute map, and the spans themselves are still read from ``otel_traces``. A
-store opened without it (a reader of a fleet's ClickHouse where nobody created it) is
-queried without it.
+``otelkv_span_index``, a row per turn span and per tool span (kind, time, duration, ids,
+conversation, latency). It is an index, not a copy: ranking a million turns by latency, or
+finding the tool spans in a few gaps, reads its narrow columns instead of the attribute map
+of every span, and the spans themselves are then read from ``otel_traces`` at their exact
+timestamps. A store opened without it (a reader of a fleet's ClickHouse where nobody
+created it) is queried without it.
 
 Why the exact schema and not our own: a fleet that already runs the collector with the
 ClickHouse exporter has these tables, so every query in :mod:`otelkv.store.queries` runs
@@ -30,8 +31,12 @@ from otelkv.spans import sql as span_sql
 TRACES_TABLE = "otel_traces"
 TRACE_ID_TS_TABLE = "otel_traces_trace_id_ts"
 TRACE_ID_TS_MV = "otel_traces_trace_id_ts_mv"
-TURNS_TABLE = "otelkv_turns"
-TURNS_MV = "otelkv_turns_mv"
+INDEX_TABLE = "otelkv_span_index"
+INDEX_MV = "otelkv_span_index_mv"
+KIND_TURN = "turn"
+KIND_TOOL = "tool"
+"""``Kind`` of an index row: a turn span (:data:`otelkv.spans.sql.TURN_SPANS`) or a tool span
+(:data:`otelkv.spans.sql.TOOL_SPANS`)."""
 
 COLUMNS: tuple[str, ...] = (
     "Timestamp",
@@ -127,9 +132,11 @@ FROM {db}.{table}
 WHERE TraceId != ''
 GROUP BY TraceId"""
 
-_TURNS_TABLE_SQL = """\
-CREATE TABLE IF NOT EXISTS {db}.{turns} (
+_INDEX_TABLE_SQL = """\
+CREATE TABLE IF NOT EXISTS {db}.{index} (
+    Kind LowCardinality(String) CODEC(ZSTD(1)),
     Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
+    Duration UInt64 CODEC(T64, ZSTD(1)),
     TraceId String CODEC(ZSTD(1)),
     SpanId String CODEC(ZSTD(1)),
     ScopeName LowCardinality(String) CODEC(ZSTD(1)),
@@ -139,25 +146,27 @@ CREATE TABLE IF NOT EXISTS {db}.{turns} (
     INDEX idx_conversation_id ConversationId TYPE bloom_filter(0.001) GRANULARITY 1
 ) ENGINE = MergeTree()
 PARTITION BY toDate(Timestamp)
-ORDER BY (Timestamp)
+ORDER BY (Kind, Timestamp)
 {ttl_timestamp}
 SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
 
-_TURNS_SELECT = f"""\
+_INDEX_SELECT = f"""\
 SELECT
+    if({span_sql.TURN_SPANS}, {span_sql.lit(KIND_TURN)}, {span_sql.lit(KIND_TOOL)}) AS Kind,
     Timestamp,
+    Duration,
     TraceId,
     SpanId,
     ScopeName,
     {span_sql.attr(names.GEN_AI_CONVERSATION_ID)} AS ConversationId,
     {span_sql.TURN_LATENCY_S} AS Latency
 FROM {{db}}.{{table}}
-WHERE {span_sql.TURN_SPANS}"""
+WHERE {span_sql.TURN_SPANS} OR {span_sql.TOOL_SPANS}"""
 
-_TURNS_MV_SQL = f"""\
-CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{{turns_mv}}
-TO {{db}}.{{turns}}
-AS {_TURNS_SELECT}"""
+_INDEX_MV_SQL = f"""\
+CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{{index_mv}}
+TO {{db}}.{{index}}
+AS {_INDEX_SELECT}"""
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -184,8 +193,8 @@ def create_statements(
     database: str = "otel", *, retention_days: int | None = 7, retention_hours: int | None = None
 ) -> list[str]:
     """DDL to run, in order: database, spans table, trace-id lookup table and its materialized
-    view, turns table and its materialized view. A turns table created by these statements
-    on a store that already holds spans is filled by :func:`turns_backfill`.
+    view, span index table and its materialized view. A span index created by these
+    statements on a store that already holds spans is filled by :func:`index_backfill`.
 
     ``retention_hours`` wins over ``retention_days`` when both are given; neither (or 0)
     means no TTL, as in the exporter.
@@ -197,8 +206,8 @@ def create_statements(
         "table": quote_ident(TRACES_TABLE),
         "lookup": quote_ident(TRACE_ID_TS_TABLE),
         "mv": quote_ident(TRACE_ID_TS_MV),
-        "turns": quote_ident(TURNS_TABLE),
-        "turns_mv": quote_ident(TURNS_MV),
+        "index": quote_ident(INDEX_TABLE),
+        "index_mv": quote_ident(INDEX_MV),
     }
     ttl = {"retention_days": retention_days, "retention_hours": retention_hours}
     return [
@@ -206,19 +215,19 @@ def create_statements(
         _TRACES_TABLE_SQL.format(**names, ttl_timestamp=ttl_expr("Timestamp", **ttl)),
         _TRACE_ID_TS_TABLE_SQL.format(**names, ttl_start=ttl_expr("Start", **ttl)),
         _TRACE_ID_TS_MV_SQL.format(**names),
-        _TURNS_TABLE_SQL.format(**names, ttl_timestamp=ttl_expr("Timestamp", **ttl)),
-        _TURNS_MV_SQL.format(**names),
+        _INDEX_TABLE_SQL.format(**names, ttl_timestamp=ttl_expr("Timestamp", **ttl)),
+        _INDEX_MV_SQL.format(**names),
     ]
 
 
-def turns_exist_query(database: str = "otel") -> str:
-    """``EXISTS TABLE`` of the turns table (one row, ``result`` 1 or 0)."""
-    return f"EXISTS TABLE {quote_ident(database)}.{quote_ident(TURNS_TABLE)}"
+def index_exists_query(database: str = "otel") -> str:
+    """``EXISTS TABLE`` of the span index (one row: 1 or 0)."""
+    return f"EXISTS TABLE {quote_ident(database)}.{quote_ident(INDEX_TABLE)}"
 
 
-def turns_backfill(database: str = "otel") -> str:
-    """Fill the turns table from the spans already stored: run once, right after
-    :func:`create_statements` created the turns table on a store that had spans (its
-    view sees only inserts made after it exists)."""
-    select = _TURNS_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
-    return f"INSERT INTO {quote_ident(database)}.{quote_ident(TURNS_TABLE)}\n{select}"
+def index_backfill(database: str = "otel") -> str:
+    """Fill the span index from the spans already stored: run once, right after
+    :func:`create_statements` created it on a store that had spans (its view sees only
+    inserts made after it exists)."""
+    select = _INDEX_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
+    return f"INSERT INTO {quote_ident(database)}.{quote_ident(INDEX_TABLE)}\n{select}"
