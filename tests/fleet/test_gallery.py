@@ -48,6 +48,7 @@ from otelkv.fleet.engines import Engine
 from otelkv.fleet.fleet import Fleet, FleetConfig
 from otelkv.spans import SpanRecord
 from tests import cookbook
+from tests.fleet.clock import slept
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import wait_for_turn
 from tests.schema import assert_valid
@@ -292,7 +293,7 @@ def test_tool_wait_dominates(fleet: Fleet, gallery: dict[str, Scenario]) -> None
             s.name == "execute_tool ci_logs" and s.attributes.get(names.GEN_AI_CONVERSATION_ID) == "gal-tool"
         )
     )
-    assert tool.duration_s >= PAUSE_S
+    assert tool.duration_s >= slept(PAUSE_S)
     assert e["tool_wait_s"] == pytest.approx(tool.duration_s, abs=0.01)
     client_total = done(second) - done(first)  # the gap and the request, on the client's clock
     assert e["total_s"] == pytest.approx(client_total, abs=2 * CLOCK_TOLERANCE_S)
@@ -306,7 +307,7 @@ def test_app_work_dominates(fleet: Fleet, gallery: dict[str, Scenario]) -> None:
     d, _ = diagnosis(fleet, second, names.DIAG_APP_WORK_DOMINATES)
     e = d["evidence"]
     gap = sent(second) - done(first)  # the client's clock: at least the pause it slept
-    assert gap >= PAUSE_S
+    assert gap >= slept(PAUSE_S)
     assert e["app_work_s"] == pytest.approx(gap, abs=CLOCK_TOLERANCE_S)
     assert e["share"] > 0.5 and e["gap_source"] == names.GAP_SOURCE_MESSAGES
 

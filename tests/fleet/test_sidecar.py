@@ -34,6 +34,7 @@ from otelkv.fleet.fleet import Fleet, FleetConfig
 from otelkv.sidecar.app import Sidecar, SidecarConfig
 from otelkv.spans import SpanRecord
 from otelkv.store import queries
+from tests.fleet.clock import slept
 from tests.fleet.conftest import fleet_fixture
 from tests.fleet.spans import children, engine_request, in_trace, wait_for_turn
 from tests.schema import assert_valid
@@ -175,18 +176,18 @@ def test_gap_split_from_agent_spans_and_from_messages(
             and s.attributes.get(names.GEN_AI_CONVERSATION_ID) == "conv-agent"
         )
     )
-    assert tool.duration_s >= TOOL_PAUSE_S
+    assert tool.duration_s >= slept(TOOL_PAUSE_S)
     assert a[names.TURN_TOOL_WAIT_SECONDS] == pytest.approx(tool.duration_s, abs=0.01)
     assert a[names.TURN_APP_WORK_SECONDS] == pytest.approx(
         a[names.TURN_GAP_SECONDS] - a[names.TURN_TOOL_WAIT_SECONDS]
     )
     b = turn_span(fleet, app_turn.trace_id).attributes
     assert b[names.TURN_TOOL_WAIT_SECONDS] == 0.0
-    assert b[names.TURN_APP_WORK_SECONDS] >= APP_PAUSE_S
+    assert b[names.TURN_APP_WORK_SECONDS] >= slept(APP_PAUSE_S)
     # Without agent spans, the tool result in the request makes the whole gap tool wait.
     c = turn_span(fleet, results["conv-anonymous"][1].trace_id).attributes
     assert c[names.TURN_GAP_SOURCE] == names.GAP_SOURCE_MESSAGES
-    assert c[names.TURN_TOOL_WAIT_SECONDS] == c[names.TURN_GAP_SECONDS] >= 0.6
+    assert c[names.TURN_TOOL_WAIT_SECONDS] == c[names.TURN_GAP_SECONDS] >= slept(0.6)
     # The conversation waterfall shows the same split.
     waterfall = assert_valid(report.conversation(stored(fleet), "conv-agent"))
     assert [row["turn_index"] for row in waterfall["turns"]] == [0, 1, 2]

@@ -84,12 +84,11 @@ def test_collector_down_or_slow_costs_no_request_and_no_stored_span(
             text = sc.metrics()
             dropped = h.metric(text, names.METRIC_SIDECAR_FORWARD_DROPPED + "_total")
             assert dropped > 0, "spans that never reached the collector were not counted"
-            assert h.metric(text, names.METRIC_SIDECAR_FORWARD_DROPPED + "_total", reason="queue_full") > 0
-            if kind == "down":
-                assert (
-                    h.metric(text, names.METRIC_SIDECAR_FORWARD_DROPPED + "_total", reason="export_failed")
-                    > 0
-                )
+            # A hanging collector holds each export for its timeout, so the small queue must
+            # overflow; a refused connection fails each export at once, and whether the queue
+            # also overflows depends on how fast the turns come: only the failures are certain.
+            reason = "queue_full" if kind == "slow" else "export_failed"
+            assert h.metric(text, names.METRIC_SIDECAR_FORWARD_DROPPED + "_total", reason=reason) > 0
             for name, sampler in baseline.items():
                 bound = MAIN_GROWTH_MB if name == "main" else PROXY_GROWTH_MB
                 assert rss.peak(name) < sampler.samples[name][0][1] + bound, rss.summary(name)
