@@ -76,8 +76,6 @@ class ChdbStore:
         self.path = Path(path).expanduser().resolve()
         self.database = database
         self._lock = threading.Lock()
-        self.span_index = True
-        """The store has the span index (:mod:`otelkv.store.schema`): always, it creates it."""
         self._table = f"{schema.quote_ident(database)}.{schema.quote_ident(schema.TRACES_TABLE)}"
         # Skip indexes are built when parts merge, not on insert: a 5000-span part then
         # has 13 files instead of 27 (two per index) and its insert skips the bloom-filter
@@ -104,15 +102,10 @@ class ChdbStore:
                 ) from None
             raise StoreError(f"cannot open trace store {self.path}: {text}") from None
         try:
-            had_index = (
-                self._session.query(schema.index_exists_query(database), "CSV").bytes().strip() == b"1"
-            )
             for statement in schema.create_statements(
                 database, retention_days=retention_days, retention_hours=retention_hours
             ):
                 self._session.query(statement)
-            if not had_index:  # a store from before the span index: index what it holds
-                self._session.query(schema.index_backfill(database))
             # Also on stores created before this setting (it is idempotent).
             self._session.query(f"ALTER TABLE {self._table} MODIFY SETTING {_MERGE_SETTINGS}")
         except RuntimeError as exc:

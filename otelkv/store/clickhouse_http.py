@@ -71,28 +71,9 @@ class ClickHouseHttpStore:
         self.timeout = timeout
         self._table = f"{schema.quote_ident(database)}.{schema.quote_ident(schema.TRACES_TABLE)}"
         self._closed = False
-        self._span_index: bool | None = None
         if create_schema:
-            had_index = self._index_exists()
             for statement in schema.create_statements(database, retention_days=retention_days):
                 self._post(statement.encode("utf-8"), {})
-            if not had_index:  # spans stored before the span index: index them once
-                self._post(schema.index_backfill(database).encode("utf-8"), {})
-            self._span_index = True
-
-    @property
-    def span_index(self) -> bool:
-        """The span index exists (:mod:`otelkv.store.schema`), so queries can use it; asked
-        once, when a query first wants to know (a reader that never needs it never asks)."""
-        if self._span_index is None:
-            self._span_index = self._index_exists()
-        return self._span_index
-
-    def _index_exists(self) -> bool:
-        try:
-            return self._post(schema.index_exists_query(self.database).encode("utf-8"), {}).strip() == b"1"
-        except StoreError:  # unreachable or not allowed: the first query says so
-            return False
 
     def describe(self) -> str:
         return f"ClickHouse {self.base_url} (database {self.database})"

@@ -17,17 +17,6 @@ from otelkv.store import schema
 from otelkv.store.base import TraceStore
 from otelkv.store.rows import SPAN_SELECT, row_to_span
 
-INDEX_SELECT = "toUnixTimestamp64Nano(Timestamp) AS StartNs, TraceId, SpanId"
-"""What a span index read selects: enough for :func:`_whole_spans` to read the spans."""
-
-
-def _index_table(store: TraceStore) -> str | None:
-    """The span index's qualified name when the store has it (``span_index``), else None."""
-    if not getattr(store, "span_index", False):
-        return None
-    db = schema.quote_ident(getattr(store, "database", "otel"))
-    return f"{db}.{schema.quote_ident(schema.INDEX_TABLE)}"
-
 
 def _tables(store: TraceStore) -> tuple[str, str]:
     db = schema.quote_ident(getattr(store, "database", "otel"))
@@ -68,82 +57,58 @@ def turn_spans(
     """
     if conversation_id is None and slowest_first and limit is not None:
         return _slowest_turn_spans(store, since_ns, until_ns, max(0, int(limit)))
-    # One conversation's turns (at most ``limit``) are found in the span index, then read whole.
-    index = _index_table(store) if conversation_id is not None and limit is not None else None
-    if index is not None:
-        table, where = index, [f"Kind = {span_sql.lit(schema.KIND_TURN)}"]
-        columns, conversation = INDEX_SELECT, "ConversationId"
-    else:
-        table, where = _tables(store)[0], [span_sql.TURN_SPANS]
-        columns, conversation = SPAN_SELECT, "SpanAttributes[{conv_key:String}]"
+    table, where = _tables(store)[0], [span_sql.TURN_SPANS]
     params: dict[str, Any] = {"sidecar_scope": names.SCOPE_SIDECAR}
     _window(where, params, since_ns, until_ns)
     if conversation_id is not None:
-        where.append(f"{conversation} = {{conversation_id:String}}")
-        params["conversation_id"] = conversation_id
-        if index is None:
-            params["conv_key"] = names.GEN_AI_CONVERSATION_ID
+        where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
+        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
         order = "StartNs ASC, SpanId"
     else:
         order = f"{span_sql.TURN_LATENCY_S} {'DESC' if slowest_first else 'ASC'}, StartNs ASC"
     one_per_trace = (
-        f"SELECT {columns}\nFROM {table}\nWHERE {' AND '.join(where)}\n"
+        f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\n"
         "ORDER BY ScopeName = {sidecar_scope:String} DESC, Timestamp ASC, SpanId ASC\nLIMIT 1 BY TraceId"
     )
     sql = f"SELECT *\nFROM (\n{one_per_trace}\n)\nORDER BY {order}"
     if limit is not None:
         sql += "\nLIMIT {limit:UInt64}"
         params["limit"] = max(0, int(limit))
-    if index is None:
-        return _spans(store, sql, params)
-    return [row_to_span(r) for r in _whole_spans(store, store.query(sql, params))]
+    return _spans(store, sql, params)
 
 
 def _slowest_turn_spans(
     store: TraceStore, since_ns: int | None, until_ns: int | None, limit: int
 ) -> list[SpanRecord]:
-    """:func:`turn_spans` slowest first, ``limit`` of them, read in steps.
+    """:func:`turn_spans` slowest first, ``limit`` of them, read in two steps.
 
     Picking one span per trace before ordering (``LIMIT 1 BY TraceId`` over every turn span
     of the window) sorts every turn span of the window as whole rows, attribute maps and
     all (seconds on a store of a million turns); instead, the ``ask`` slowest turn spans
-    come first, as ids and latency only, then every turn span of those traces. Each trace's
+    come first, as trace id and latency only, then every turn span of those traces, whole. Each trace's
     span is picked as :func:`otelkv.spans.kinds.turn_rank` picks it, and a picked span among
     the ``ask`` slowest outranks every span outside them: when ``limit`` picked spans are
     among them, they are the answer; otherwise ``ask`` grows. A window with fewer than
     ``ask`` turn spans was read whole.
-
-    With the span index (:data:`otelkv.store.schema.INDEX_TABLE`) both steps read its
-    narrow columns, and the picked spans are then read whole from ``otel_traces`` at their
-    exact timestamps; without it (a fleet's ClickHouse where nobody created it) they read
-    ``otel_traces``, ranking by the latency in each turn span's attribute map.
     """
     if limit == 0:
         return []
     table, _ = _tables(store)
-    index = _index_table(store)
+    where = [span_sql.TURN_SPANS]
     params: dict[str, Any] = {}
-    if index is not None:
-        where = [f"Kind = {span_sql.lit(schema.KIND_TURN)}"]
-        _window(where, params, since_ns, until_ns)
-        source, latency, cond = index, "Latency", " AND ".join(where)
-        whole_cols = "toUnixTimestamp64Nano(Timestamp) AS StartNs, TraceId, SpanId, ScopeName"
-    else:
-        where = [span_sql.TURN_SPANS]
-        _window(where, params, since_ns, until_ns)
-        source, latency, cond = table, span_sql.TURN_LATENCY_S, " AND ".join(where)
-        whole_cols = SPAN_SELECT
+    _window(where, params, since_ns, until_ns)
+    latency, cond = span_sql.TURN_LATENCY_S, " AND ".join(where)
     ask = 2 * limit + 8
     while True:
         params["ask"] = ask
         slowest = store.query(
             f"SELECT TraceId, SpanId, toUnixTimestamp64Nano(Timestamp) AS StartNs, {latency} AS Latency\n"
-            f"FROM {source}\nWHERE {cond}\nORDER BY Latency DESC, StartNs ASC\nLIMIT {{ask:UInt64}}",
+            f"FROM {table}\nWHERE {cond}\nORDER BY Latency DESC, StartNs ASC\nLIMIT {{ask:UInt64}}",
             params,
         )
         ranked = {(r["TraceId"], r["SpanId"], int(r["StartNs"])) for r in slowest}
         rows = store.query(
-            f"SELECT {whole_cols}, {latency} AS Latency\nFROM {source}\n"
+            f"SELECT {SPAN_SELECT}, {latency} AS Latency\nFROM {table}\n"
             f"WHERE {cond} AND TraceId IN {{trace_ids:Array(String)}}",
             {**params, "trace_ids": sorted({r["TraceId"] for r in slowest})},
         )
@@ -156,33 +121,8 @@ def _slowest_turn_spans(
         ]
         if whole or len(found) >= limit:
             found.sort(key=lambda r: (-float(r["Latency"]), int(r["StartNs"])))
-            found = found[:limit]
-            return [row_to_span(r) for r in (found if index is None else _whole_spans(store, found))]
+            return [row_to_span(r) for r in found[:limit]]
         ask *= 4
-
-
-def _whole_spans(store: TraceStore, found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ``otel_traces`` rows of span index rows (trace id, span id, start), in their order.
-
-    Each is read at its exact start (``Timestamp`` is in the primary key; the nearest of
-    :data:`MAX_TIME_RANGES` ranges merged) with the trace-id bloom filter. A turn whose span
-    is gone (retention dropped it between the two reads) is left out."""
-    if not found:
-        return []
-    table, _ = _tables(store)
-    params: dict[str, Any] = {
-        "trace_ids": sorted({r["TraceId"] for r in found}),
-        "span_ids": sorted({r["SpanId"] for r in found}),
-    }
-    starts = [(int(r["StartNs"]), int(r["StartNs"]) + 1) for r in found]
-    rows = store.query(
-        f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE TraceId IN {{trace_ids:Array(String)}} "
-        f"AND SpanId IN {{span_ids:Array(String)}} AND {_in_ranges(starts, params)}",
-        params,
-    )
-    by_key = {(r["TraceId"], r["SpanId"], int(r["StartNs"])): r for r in rows}
-    keys = [(r["TraceId"], r["SpanId"], int(r["StartNs"])) for r in found]
-    return [by_key[k] for k in keys if k in by_key]
 
 
 def _turn_row_rank(row: dict[str, Any]) -> tuple[bool, int, str]:
@@ -284,18 +224,14 @@ def tool_spans(
     any time before the window, so the primary key bounds only its start from above, and
     without PREWHERE ClickHouse reads the attribute maps of every span before the window's
     end. Conversations are matched with ``IN``, which the attribute-value bloom filter
-    index of the exporter's schema prunes by (``has`` it does not). With the span index the
-    overlap is found there (its narrow rows, no attribute map) and the spans found are then
-    read whole at their exact timestamps.
+    index of the exporter's schema prunes by (``has`` it does not).
     """
-    index = _index_table(store)
-    table = _tables(store)[0] if index is None else index
+    table, _ = _tables(store)
     overlap = [
         "Timestamp <= fromUnixTimestamp64Nano({until_ns:Int64})",
         "toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {since_ns:Int64}",
     ]
-    where = [span_sql.TOOL_SPANS if index is None else f"Kind = {span_sql.lit(schema.KIND_TOOL)}"]
-    conversation = "ConversationId" if index is not None else "SpanAttributes[{conv_key:String}]"
+    where = [span_sql.TOOL_SPANS]
     params: dict[str, Any] = {
         "since_ns": int(since_ns),
         "until_ns": int(until_ns),
@@ -309,22 +245,17 @@ def tool_spans(
             )
             params.update({f"wlo{i}": lo, f"whi{i}": hi})
         overlap.append(f"({' OR '.join(ors)})" if ors else "0")
-    if index is None and (conversation_id is not None or conversation_ids is not None):
-        params["conv_key"] = names.GEN_AI_CONVERSATION_ID
     if conversation_id is not None:
-        where.append(f"{conversation} = {{conversation_id:String}}")
-        params["conversation_id"] = conversation_id
+        where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
+        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
     elif conversation_ids is not None:
-        where.append(f"{conversation} IN {{conversation_ids:Array(String)}}")
-        params["conversation_ids"] = list(conversation_ids)
-    columns = SPAN_SELECT if index is None else INDEX_SELECT
+        where.append("SpanAttributes[{conv_key:String}] IN {conversation_ids:Array(String)}")
+        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_ids=list(conversation_ids))
     sql = (
-        f"SELECT {columns}\nFROM {table}\nPREWHERE {' AND '.join(overlap)}\n"
+        f"SELECT {SPAN_SELECT}\nFROM {table}\nPREWHERE {' AND '.join(overlap)}\n"
         f"WHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
     )
-    if index is None:
-        return _spans(store, sql, params)
-    return [row_to_span(r) for r in _whole_spans(store, store.query(sql, params))]
+    return _spans(store, sql, params)
 
 
 NARROW_SELECT = """\

@@ -6,14 +6,6 @@ branch), ``traces_id_ts_lookup_table.sql`` and ``traces_id_ts_lookup_mv.sql``, w
 exporter's defaults: engine ``MergeTree()``, no ``ON CLUSTER``, table ``otel_traces``, TTL
 ``toDateTime(<column>) + toInterval<Unit>(N)``.
 
-Beside them, one table of otelkv's own, filled by a materialized view on ``otel_traces``:
-``otelkv_span_index``, a row per turn span and per tool span (kind, time, duration, ids,
-conversation, latency). It is an index, not a copy: ranking a million turns by latency, or
-finding the tool spans in a few gaps, reads its narrow columns instead of the attribute map
-of every span, and the spans themselves are then read from ``otel_traces`` at their exact
-timestamps. A store opened without it (a reader of a fleet's ClickHouse where nobody
-created it) is queried without it.
-
 Why the exact schema and not our own: a fleet that already runs the collector with the
 ClickHouse exporter has these tables, so every query in :mod:`otelkv.store.queries` runs
 unchanged against the embedded chDB store and against that fleet's ClickHouse. Keep the
@@ -25,18 +17,9 @@ from __future__ import annotations
 
 import re
 
-from otelkv import names
-from otelkv.spans import sql as span_sql
-
 TRACES_TABLE = "otel_traces"
 TRACE_ID_TS_TABLE = "otel_traces_trace_id_ts"
 TRACE_ID_TS_MV = "otel_traces_trace_id_ts_mv"
-INDEX_TABLE = "otelkv_span_index"
-INDEX_MV = "otelkv_span_index_mv"
-KIND_TURN = "turn"
-KIND_TOOL = "tool"
-"""``Kind`` of an index row: a turn span (:data:`otelkv.spans.sql.TURN_SPANS`) or a tool span
-(:data:`otelkv.spans.sql.TOOL_SPANS`)."""
 
 COLUMNS: tuple[str, ...] = (
     "Timestamp",
@@ -132,42 +115,6 @@ FROM {db}.{table}
 WHERE TraceId != ''
 GROUP BY TraceId"""
 
-_INDEX_TABLE_SQL = """\
-CREATE TABLE IF NOT EXISTS {db}.{index} (
-    Kind LowCardinality(String) CODEC(ZSTD(1)),
-    Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
-    Duration UInt64 CODEC(T64, ZSTD(1)),
-    TraceId String CODEC(ZSTD(1)),
-    SpanId String CODEC(ZSTD(1)),
-    ScopeName LowCardinality(String) CODEC(ZSTD(1)),
-    ConversationId String CODEC(ZSTD(1)),
-    Latency Float64 CODEC(ZSTD(1)),
-    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
-    INDEX idx_conversation_id ConversationId TYPE bloom_filter(0.001) GRANULARITY 1
-) ENGINE = MergeTree()
-PARTITION BY toDate(Timestamp)
-ORDER BY (Kind, Timestamp)
-{ttl_timestamp}
-SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
-
-_INDEX_SELECT = f"""\
-SELECT
-    if({span_sql.TURN_SPANS}, {span_sql.lit(KIND_TURN)}, {span_sql.lit(KIND_TOOL)}) AS Kind,
-    Timestamp,
-    Duration,
-    TraceId,
-    SpanId,
-    ScopeName,
-    {span_sql.attr(names.GEN_AI_CONVERSATION_ID)} AS ConversationId,
-    {span_sql.TURN_LATENCY_S} AS Latency
-FROM {{db}}.{{table}}
-WHERE {span_sql.TURN_SPANS} OR {span_sql.TOOL_SPANS}"""
-
-_INDEX_MV_SQL = f"""\
-CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{{index_mv}}
-TO {{db}}.{{index}}
-AS {_INDEX_SELECT}"""
-
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -192,9 +139,7 @@ def ttl_expr(column: str, *, retention_days: int | None = None, retention_hours:
 def create_statements(
     database: str = "otel", *, retention_days: int | None = 7, retention_hours: int | None = None
 ) -> list[str]:
-    """DDL to run, in order: database, spans table, trace-id lookup table and its materialized
-    view, span index table and its materialized view. A span index created by these
-    statements on a store that already holds spans is filled by :func:`index_backfill`.
+    """DDL to run, in order: database, spans table, trace-id lookup table, its materialized view.
 
     ``retention_hours`` wins over ``retention_days`` when both are given; neither (or 0)
     means no TTL, as in the exporter.
@@ -206,8 +151,6 @@ def create_statements(
         "table": quote_ident(TRACES_TABLE),
         "lookup": quote_ident(TRACE_ID_TS_TABLE),
         "mv": quote_ident(TRACE_ID_TS_MV),
-        "index": quote_ident(INDEX_TABLE),
-        "index_mv": quote_ident(INDEX_MV),
     }
     ttl = {"retention_days": retention_days, "retention_hours": retention_hours}
     return [
@@ -215,19 +158,4 @@ def create_statements(
         _TRACES_TABLE_SQL.format(**names, ttl_timestamp=ttl_expr("Timestamp", **ttl)),
         _TRACE_ID_TS_TABLE_SQL.format(**names, ttl_start=ttl_expr("Start", **ttl)),
         _TRACE_ID_TS_MV_SQL.format(**names),
-        _INDEX_TABLE_SQL.format(**names, ttl_timestamp=ttl_expr("Timestamp", **ttl)),
-        _INDEX_MV_SQL.format(**names),
     ]
-
-
-def index_exists_query(database: str = "otel") -> str:
-    """``EXISTS TABLE`` of the span index (one row: 1 or 0)."""
-    return f"EXISTS TABLE {quote_ident(database)}.{quote_ident(INDEX_TABLE)}"
-
-
-def index_backfill(database: str = "otel") -> str:
-    """Fill the span index from the spans already stored: run once, right after
-    :func:`create_statements` created it on a store that had spans (its view sees only
-    inserts made after it exists)."""
-    select = _INDEX_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
-    return f"INSERT INTO {quote_ident(database)}.{quote_ident(INDEX_TABLE)}\n{select}"

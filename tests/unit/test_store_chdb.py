@@ -229,18 +229,16 @@ def test_trace_spans_and_tool_spans(store: ChdbStore) -> None:
     memory = InMemorySource(inserted)
     for windows in cases:
         expected = memory.tool_spans(since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows)
-        for store.span_index in (True, False):  # through the span index, and without it
-            for conv_ids in (None, ["c1", "c2"], ["c2"]):
-                tools = queries.tool_spans(
-                    store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows, conversation_ids=conv_ids
-                )
-                wanted = [
-                    s
-                    for s in expected
-                    if conv_ids is None or s.attributes[names.GEN_AI_CONVERSATION_ID] in conv_ids
-                ]
-                assert tools == wanted, (windows, store.span_index, conv_ids)
-    store.span_index = True
+        for conv_ids in (None, ["c1", "c2"], ["c2"]):
+            tools = queries.tool_spans(
+                store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows, conversation_ids=conv_ids
+            )
+            wanted = [
+                s
+                for s in expected
+                if conv_ids is None or s.attributes[names.GEN_AI_CONVERSATION_ID] in conv_ids
+            ]
+            assert tools == wanted, (windows, conv_ids)
     assert len(queries.tool_spans(store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=cases[0])) == 1
 
 
@@ -280,15 +278,7 @@ def test_ttl_clause_and_contrib_schema(store: ChdbStore) -> None:
     lookup = store.query("SHOW CREATE TABLE otel.otel_traces_trace_id_ts")[0]["statement"]
     assert "TTL toDateTime(Start) + toIntervalDay(7)" in lookup
     tables = {r["name"] for r in store.query("SELECT name FROM system.tables WHERE database = 'otel'")}
-    assert tables == {
-        "otel_traces",
-        "otel_traces_trace_id_ts",
-        "otel_traces_trace_id_ts_mv",
-        "otelkv_span_index",
-        "otelkv_span_index_mv",
-    }
-    index = store.query("SHOW CREATE TABLE otel.otelkv_span_index")[0]["statement"]
-    assert "TTL toDateTime(Timestamp) + toIntervalDay(7)" in index
+    assert tables == {"otel_traces", "otel_traces_trace_id_ts", "otel_traces_trace_id_ts_mv"}
 
 
 def test_skip_indexes_are_built_by_merges(store: ChdbStore) -> None:
@@ -454,45 +444,7 @@ def test_slowest_turn_spans_equal_the_whole_ranking(store: ChdbStore) -> None:
             )
     store.insert_spans(spans)
     for since, until in ((None, None), (NOW + 100 * SEC, NOW + 400 * SEC), (NOW + 590 * SEC, None)):
-        whole = queries.turn_spans(store, since_ns=since, until_ns=until, limit=None)
+        whole = [s.span_id for s in queries.turn_spans(store, since_ns=since, until_ns=until, limit=None)]
         for limit in (1, 5, 40, 400):
-            # Through the span index, and as on a ClickHouse without it.
-            for store.span_index in (True, False):
-                got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
-                assert got == whole[:limit], store.span_index
-    for conv in ("c0", "c5", "c16", "nobody"):  # one conversation's turns, in time order
-        for limit in (1, 3, 100):
-            answers = []
-            for store.span_index in (True, False):
-                answers.append(queries.turn_spans(store, conversation_id=conv, limit=limit))
-            assert answers[0] == answers[1] and len(answers[0]) <= limit, conv
-            assert (len(answers[0]) > 0) == (conv != "nobody")
-    store.span_index = True
-
-
-def test_a_store_from_before_the_span_index_is_indexed_when_opened(tmp_path: Path) -> None:
-    old = ChdbStore(tmp_path / "old")
-    old.query("DROP TABLE otel.otelkv_span_index_mv")
-    old.query("DROP TABLE otel.otelkv_span_index")
-    tool = span("ot", "u1", "execute_tool search", NOW + 1, 0.5, {names.GEN_AI_CONVERSATION_ID: "o"})
-    old.insert_spans([turn("o", i, NOW + i * SEC, 1.0 + i, 1.0 + i, f"o{i}") for i in range(3)] + [tool])
-    old.close()
-    reopened = ChdbStore(tmp_path / "old")
-    try:
-        kinds = reopened.query(
-            "SELECT Kind, count() AS n FROM otel.otelkv_span_index GROUP BY Kind ORDER BY Kind"
-        )
-        assert kinds == [{"Kind": "tool", "n": 1}, {"Kind": "turn", "n": 3}]
-        assert [s.span_id for s in queries.tool_spans(reopened, since_ns=NOW, until_ns=NOW + SEC)] == [
-            tool.span_id
-        ]
-        reopened.insert_spans([turn("o", 3, NOW + 3 * SEC, 9.0, 9.0, "o3")])  # the view, from now on
-        slowest = queries.turn_spans(reopened, limit=2)
-        assert [attr_int(s.attributes, names.TURN_INDEX) for s in slowest] == [3, 2]
-    finally:
-        reopened.close()
-    again = ChdbStore(tmp_path / "old")  # backfilled once: opening again adds nothing
-    try:
-        assert again.query("SELECT count() AS n FROM otel.otelkv_span_index")[0]["n"] == 5
-    finally:
-        again.close()
+            got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
+            assert [s.span_id for s in got] == whole[:limit]

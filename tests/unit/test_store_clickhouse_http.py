@@ -61,16 +61,9 @@ def test_schema_created_on_open(fake: tuple[Fake, str]) -> None:
     state, url = fake
     ClickHouseHttpStore(url, retention_days=3)
     bodies = [r["body"] for r in state.requests]
-    assert bodies[0] == "EXISTS TABLE `otel`.`otelkv_span_index`"  # the fake answers no: backfilled below
-    assert bodies[1] == "CREATE DATABASE IF NOT EXISTS `otel`"
-    assert "CREATE TABLE IF NOT EXISTS `otel`.`otel_traces`" in bodies[2] and "toIntervalDay(3)" in bodies[2]
-    assert "otel_traces_trace_id_ts_mv" in bodies[4]
-    assert (
-        "CREATE TABLE IF NOT EXISTS `otel`.`otelkv_span_index`" in bodies[5]
-        and "toIntervalDay(3)" in bodies[5]
-    )
-    assert "otelkv_span_index_mv" in bodies[6]
-    assert bodies[7].startswith("INSERT INTO `otel`.`otelkv_span_index`") and len(bodies) == 8
+    assert bodies[0] == "CREATE DATABASE IF NOT EXISTS `otel`"
+    assert "CREATE TABLE IF NOT EXISTS `otel`.`otel_traces`" in bodies[1] and "toIntervalDay(3)" in bodies[1]
+    assert "otel_traces_trace_id_ts_mv" in bodies[3]
 
 
 def test_query_commands_open_a_fleet_clickhouse_without_ddl(fake: tuple[Fake, str]) -> None:
@@ -91,9 +84,7 @@ def test_query_uses_server_side_parameters_and_auth(fake: tuple[Fake, str], monk
         b'"SpanAttributes":{"otelkv.turn.index":"2"}}\n'
     )
     got = queries.turn_spans(store, conversation_id="c'1\n", limit=3)
-    # Asked once whether the span index exists (the fake says no), then the query itself.
-    exists, req = state.requests
-    assert exists["body"] == "EXISTS TABLE `otel`.`otelkv_span_index`"
+    (req,) = state.requests
     assert req["auth"] == "Basic " + base64.b64encode(b"alice:env-pw").decode()
     assert req["query"]["param_conversation_id"] == "c'1\\n"  # escaped text, not SQL
     assert req["query"]["param_limit"] == "3" and req["query"]["default_format"] == "JSONEachRow"
