@@ -72,6 +72,8 @@ class BatchWriter:
         self._encoded: tuple[Any, int] | None = None
         """The batch handed from the encoder to the inserter (encoded form, span count)."""
         self._encoder_done = False
+        self._flushing = 0
+        """Callers waiting in :meth:`flush`: while any is, partial batches go out at once."""
         self._encoder = threading.Thread(target=self._encode_loop, name="otelkv-store-encoder", daemon=True)
         self._inserter = threading.Thread(target=self._insert_loop, name="otelkv-store-writer", daemon=True)
         self._encoder.start()
@@ -103,15 +105,18 @@ class BatchWriter:
         """Wait until everything submitted so far is written (or dropped); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            self._flushing += 1
             self._cond.notify_all()
-            while self._queued or self._in_flight:
-                if not (self._encoder.is_alive() and self._inserter.is_alive()):
-                    return False
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining if remaining is None else min(remaining, 0.1))
-                self._cond.notify_all()
+            try:
+                while self._queued or self._in_flight:
+                    if not (self._encoder.is_alive() and self._inserter.is_alive()):
+                        return False
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cond.wait(remaining if remaining is None else min(remaining, 0.1))
+            finally:
+                self._flushing -= 1
         return True
 
     def close(self, timeout: float | None = 10.0) -> bool:
@@ -156,8 +161,14 @@ class BatchWriter:
         """Take batches off the queue, encode each, hand it to the inserter (in order)."""
         while True:
             with self._cond:
-                if not self._closing and self._queued < self.batch_spans:
-                    self._cond.wait(self.flush_interval_s)
+                # A batch is taken when it is full, asked for (flush, close) or due; the
+                # inserter's notifications wake this thread too, and must not cut it short.
+                due = time.monotonic() + self.flush_interval_s
+                while not self._closing and not self._flushing and self._queued < self.batch_spans:
+                    remaining = due - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
                 if self._closing and not self._queued:
                     self._encoder_done = True
                     self._cond.notify_all()

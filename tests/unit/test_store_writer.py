@@ -171,3 +171,23 @@ def test_a_batch_that_cannot_be_encoded_is_dropped_and_counted() -> None:
     assert drops == [(DROP_STORE_ERROR, 3)] and store.batches == [2]
     assert writer.stats() == {**writer.stats(), "written": 2, "dropped_store_error": 3, "queued": 0}
     writer.close()
+
+
+def test_batches_fill_while_the_previous_one_is_inserted() -> None:
+    """The inserter's wake-ups do not make the encoder take a batch before it is full or due."""
+
+    class SlowStore(FakeStore):
+        def insert_encoded(self, batch: list[SpanRecord]) -> int:
+            time.sleep(0.05)
+            return super().insert_encoded(batch)
+
+    store = SlowStore()
+    writer = BatchWriter(store, batch_spans=1000, flush_interval_s=0.5)
+    started = time.monotonic()
+    while time.monotonic() - started < 1.2:
+        writer.submit(spans(10))
+        time.sleep(0.01)
+    assert writer.flush(timeout=5)
+    writer.close()
+    # About 1.2 s of spans at one batch per 0.5 s, plus the flush's: not one per insert.
+    assert len(store.batches) <= 5, store.batches
