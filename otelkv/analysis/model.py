@@ -18,6 +18,7 @@ give a turn without phases of the agent's side.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from otelkv.spans import (
     opt_int,
     opt_str,
 )
+from otelkv.spans.kinds import MIN_COMPUTED_TOKENS
 
 SOURCE_SIDECAR = "sidecar"
 """The turn came from the sidecar's turn span (the authoritative source)."""
@@ -586,34 +588,25 @@ def _phases(turn: Turn, turn_span: SpanRecord | None, tools: list[SpanRecord]) -
     return phases
 
 
-MIN_COMPUTED_TOKENS = 16
-"""Prefill requests that computed fewer tokens do not measure compute: fixed per-request
-overhead dominates their time."""
-
-
-RATE_ATTRIBUTES: tuple[str, ...] = (
-    names.ROLE,
-    names.TOKENS_COMPUTED,
-    names.REQUEST_OUTCOME,
-    names.REMOTE_KV_WAIT_SECONDS,
-)
-"""Every span attribute :func:`request_compute_rate` reads: a narrow read of these (plus the
-span's name and times) prices a request as the whole span does."""
-
-
 def request_compute_rate(span: SpanRecord) -> float | None:
     """Seconds per computed prompt token of one prefill request span: its duration less its
     wait for remote KV, over the tokens it computed. None when it does not measure compute:
-    not a finished prefill request, fewer than :data:`MIN_COMPUTED_TOKENS` computed, or a wait
-    that covered the whole span. The one rule behind every recompute price (``why``, the
-    sidecar's ``otelkv_trace_pull_prefill_seconds_total``)."""
+    not a finished prefill request, fewer than :data:`MIN_COMPUTED_TOKENS` computed, a token
+    count or wait that is NaN or infinite, or a wait that covered the whole span. The one
+    rule behind every recompute price (``why``, the sidecar's
+    ``otelkv_trace_pull_prefill_seconds_total``); a store applies it in SQL as
+    :data:`otelkv.spans.sql.COMPUTE_RATE_S` over :data:`otelkv.spans.sql.COMPUTE_MEASURING_SPANS`
+    (the tests hold the two together)."""
     if not is_prefill_request(span):
         return None
     a = span.attributes
     computed = attr_float(a, names.TOKENS_COMPUTED)
+    wait_s = attr_float(a, names.REMOTE_KV_WAIT_SECONDS)
+    if not (math.isfinite(computed) and math.isfinite(wait_s)):
+        return None  # NaN or an infinity measures nothing (and an infinite count would price 0)
     if computed < MIN_COMPUTED_TOKENS or attr_str(a, names.REQUEST_OUTCOME) != names.OUTCOME_FINISHED:
         return None
-    compute_s = span.duration_s - max(attr_float(a, names.REMOTE_KV_WAIT_SECONDS), 0.0)
+    compute_s = span.duration_s - max(wait_s, 0.0)
     return compute_s / computed if compute_s > 0 else None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from otelkv.analysis import scope, turn_json
 from otelkv.analysis.diagnose import Context, diagnose
 from otelkv.analysis.linker import load_trace, load_turns
-from otelkv.analysis.model import RATE_ATTRIBUTES, Turn, per_token_compute_s, request_compute_rate
+from otelkv.analysis.model import Turn, per_token_compute_s
 from otelkv.analysis.sources import SpanSource
 from otelkv.spans import SpanRecord
 
@@ -45,20 +45,18 @@ PRICE_LOOKBACK_S = 3600.0
 """``why`` prices recomputing from the prefill requests of the hour before the turn (and the
 turn itself): one turn and its predecessor alone often measure nothing, and then a pull
 slower than recomputing went unnamed in ``why`` while ``slow`` named it."""
-PRICE_SAMPLE_LIMIT = 2000
-"""At most this many engine requests of that hour are read for the price (the fastest rate
-wins, so a sample serves; it bounds ``why``'s cost on a busy fleet)."""
 
 
-def diagnosis_context(turns: Iterable[Turn], *, measured: Iterable[SpanRecord] = ()) -> Context:
+def diagnosis_context(turns: Iterable[Turn], *, measured_rate: float | None = None) -> Context:
     """What the diagnoses of these turns share: the prefill node's cost per token, the fastest
-    rate measured by these turns, their predecessors and the ``measured`` request spans."""
+    of the rate measured by these turns and their predecessors and ``measured_rate`` (one
+    found beside them, as :meth:`SpanSource.fastest_compute_rate` finds it)."""
     pool: list[Turn] = []
     for turn in turns:
         pool.append(turn)
         if turn.previous is not None:
             pool.append(turn.previous)
-    rates = [r for r in map(request_compute_rate, measured) if r is not None]
+    rates = [] if measured_rate is None else [measured_rate]
     found = per_token_compute_s(pool)
     if found is not None:
         rates.append(found)
@@ -66,16 +64,12 @@ def diagnosis_context(turns: Iterable[Turn], *, measured: Iterable[SpanRecord] =
 
 
 def _why_context(source: SpanSource, turn: Turn) -> Context:
-    """:func:`diagnosis_context` for one turn, priced over the hour before it."""
+    """:func:`diagnosis_context` for one turn, priced over the hour before it (every prefill
+    request of that hour: a store's span index keeps their rates in narrow rows)."""
     start = turn.prefill.start_ns if turn.prefill is not None else turn.start_ns
     end = max(turn.end_ns, start + 1)
-    measured = source.engine_requests(
-        since_ns=max(start - int(PRICE_LOOKBACK_S * 1e9), 0),
-        until_ns=end,
-        limit=PRICE_SAMPLE_LIMIT,
-        attributes=RATE_ATTRIBUTES,
-    )
-    return diagnosis_context([turn], measured=measured)
+    rate = source.fastest_compute_rate(since_ns=max(start - int(PRICE_LOOKBACK_S * 1e9), 0), until_ns=end)
+    return diagnosis_context([turn], measured_rate=rate)
 
 
 # ------------------------------------------------------------------ the three queries

@@ -7,11 +7,11 @@ store, a fleet's ClickHouse and the spans of a unit test.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from otelkv import names
+from otelkv.analysis.model import request_compute_rate
 from otelkv.spans import (
     SpanRecord,
     attr_float,
@@ -23,13 +23,6 @@ from otelkv.spans import (
     opt_int,
 )
 from otelkv.spans.kinds import one_per_trace, turn_rank
-
-
-def narrowed(span: SpanRecord, attributes: Sequence[str]) -> SpanRecord:
-    """``span`` as a narrow read returns it: only ``attributes`` of its span attributes, and no
-    resource, events or links."""
-    kept = {k: span.attributes[k] for k in attributes if k in span.attributes}
-    return dataclasses.replace(span, attributes=kept, resource={}, events=[], links=[])
 
 
 def group_by_trace(spans: Iterable[SpanRecord]) -> dict[str, list[SpanRecord]]:
@@ -81,11 +74,15 @@ class SpanSource(Protocol):
         until_ns: int,
         roots_only: bool = False,
         limit: int | None = None,
-        attributes: Sequence[str] | None = None,
     ) -> list[SpanRecord]:
         """Engine request spans starting in ``[since_ns, until_ns)``, in start order, at most
-        ``limit``. With ``attributes``, each record holds only those span attributes and no
-        resource, events or links (a narrow read of many requests)."""
+        ``limit``."""
+        ...
+
+    def fastest_compute_rate(self, *, since_ns: int, until_ns: int) -> float | None:
+        """The fewest seconds per computed prompt token among the prefill requests starting in
+        ``[since_ns, until_ns)`` (:func:`otelkv.analysis.model.request_compute_rate`), or None
+        when none measures compute."""
         ...
 
 
@@ -178,7 +175,6 @@ class InMemorySource:
         until_ns: int,
         roots_only: bool = False,
         limit: int | None = None,
-        attributes: Sequence[str] | None = None,
     ) -> list[SpanRecord]:
         out = sorted(
             (
@@ -192,9 +188,15 @@ class InMemorySource:
         )
         if limit is not None:
             out = out[:limit]
-        if attributes is not None:
-            out = [narrowed(s, attributes) for s in out]
         return out
+
+    def fastest_compute_rate(self, *, since_ns: int, until_ns: int) -> float | None:
+        rates = [
+            rate
+            for rate in map(request_compute_rate, self.engine_requests(since_ns=since_ns, until_ns=until_ns))
+            if rate is not None
+        ]
+        return min(rates, default=None)
 
 
 class StoreSource:
@@ -267,7 +269,6 @@ class StoreSource:
         until_ns: int,
         roots_only: bool = False,
         limit: int | None = None,
-        attributes: Sequence[str] | None = None,
     ) -> list[SpanRecord]:
         return list(
             self._q().engine_requests(
@@ -276,6 +277,10 @@ class StoreSource:
                 until_ns=until_ns,
                 roots_only=roots_only,
                 limit=limit,
-                attributes=attributes,
             )
+        )
+
+    def fastest_compute_rate(self, *, since_ns: int, until_ns: int) -> float | None:
+        return self._q().fastest_compute_rate(  # type: ignore[no-any-return]
+            self.store, since_ns=since_ns, until_ns=until_ns
         )

@@ -92,6 +92,11 @@ def is_prefill_request(span: SpanRecord) -> bool:
     return is_engine_request(span) and attr_str(span.attributes, names.ROLE) == names.ROLE_PREFILL
 
 
+MIN_COMPUTED_TOKENS = 16
+"""Prefill requests that computed fewer tokens do not measure compute: fixed per-request
+overhead dominates their time."""
+
+
 def is_transfer(span: SpanRecord) -> bool:
     """One KV read by an engine (``kv_transfer {direction}``)."""
     return names.TRANSFER_DIRECTION in span.attributes or named(span, TRANSFER_PREFIX)

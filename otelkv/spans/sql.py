@@ -58,5 +58,20 @@ else (absent or 0) the span's duration."""
 TOOL_SPANS = f"({OPERATION} = {lit(names.OPERATION_EXECUTE_TOOL)} OR {name_like(kinds.TOOL_PREFIX)})"
 ENGINE_REQUEST_SPANS = f"({name_like(kinds.ENGINE_REQUEST_PREFIX)} AND {has_attr(names.ROLE)})"
 PREFILL_SPANS = f"({ENGINE_REQUEST_SPANS} AND {attr(names.ROLE)} = {lit(names.ROLE_PREFILL)})"
+_COMPUTED = f"toFloat64OrZero({attr(names.TOKENS_COMPUTED)})"
+_WAIT_S = f"toFloat64OrZero({attr(names.REMOTE_KV_WAIT_SECONDS)})"
+_COMPUTE_S = f"(Duration / 1e9 - greatest({_WAIT_S}, 0))"
+COMPUTE_MEASURING_SPANS = (
+    f"({PREFILL_SPANS} AND {attr(names.REQUEST_OUTCOME)} = {lit(names.OUTCOME_FINISHED)}"
+    f" AND isFinite({_COMPUTED}) AND isFinite({_WAIT_S})"
+    f" AND {_COMPUTED} >= {kinds.MIN_COMPUTED_TOKENS} AND {_COMPUTE_S} > 0)"
+)
+"""Prefill requests that measure compute: those :func:`otelkv.analysis.model.request_compute_rate`
+prices (finished, :data:`otelkv.spans.kinds.MIN_COMPUTED_TOKENS` computed, finite values,
+some time left after the KV wait). Values as the exporter writes numbers; forms Python's
+``float`` also takes (surrounding spaces, ``1_000``) read as 0 here."""
+COMPUTE_RATE_S = f"{_COMPUTE_S} / {_COMPUTED}"
+"""Seconds per computed prompt token of a :data:`COMPUTE_MEASURING_SPANS` span, as
+:func:`otelkv.analysis.model.request_compute_rate` computes it."""
 TRANSFER_SPANS = f"({has_attr(names.TRANSFER_DIRECTION)} OR {name_like(kinds.TRANSFER_PREFIX)})"
 RETENTION_SPANS = f"({has_attr(names.RETENTION_KIND)} OR {name_like(kinds.RETENTION_PREFIX)})"

@@ -76,6 +76,8 @@ class ChdbStore:
         self.path = Path(path).expanduser().resolve()
         self.database = database
         self._lock = threading.Lock()
+        self.span_index = True
+        """The store has the span index (:mod:`otelkv.store.schema`): always, it creates it."""
         self._table = f"{schema.quote_ident(database)}.{schema.quote_ident(schema.TRACES_TABLE)}"
         # Skip indexes are built when parts merge, not on insert: a 5000-span part then
         # has 13 files instead of 27 (two per index) and its insert skips the bloom-filter
@@ -102,15 +104,23 @@ class ChdbStore:
                 ) from None
             raise StoreError(f"cannot open trace store {self.path}: {text}") from None
         try:
-            for statement in schema.create_statements(
-                database, retention_days=retention_days, retention_hours=retention_hours
-            ):
-                self._session.query(statement)
+            # Nothing else writes while the store opens (see schema.index_rates_upgrade).
+            schema.ensure(
+                self._answer,
+                had_index=self._answer(schema.index_exists_query(database)) == b"1",
+                database=database,
+                retention_days=retention_days,
+                retention_hours=retention_hours,
+            )
             # Also on stores created before this setting (it is idempotent).
             self._session.query(f"ALTER TABLE {self._table} MODIFY SETTING {_MERGE_SETTINGS}")
         except RuntimeError as exc:
             self.close()
             raise StoreError(f"cannot create the otel_traces schema in {self.path}: {exc}") from None
+
+    def _answer(self, sql: str) -> bytes:
+        """A statement's answer as text, stripped (the schema's statements and checks at open)."""
+        return bytes(self._session.query(sql, "CSV").bytes()).strip()
 
     def _busy_message(self) -> str:
         return (

@@ -71,9 +71,31 @@ class ClickHouseHttpStore:
         self.timeout = timeout
         self._table = f"{schema.quote_ident(database)}.{schema.quote_ident(schema.TRACES_TABLE)}"
         self._closed = False
+        self._span_index: bool | None = None
         if create_schema:
-            for statement in schema.create_statements(database, retention_days=retention_days):
-                self._post(statement.encode("utf-8"), {})
+            # Spans the collectors insert while an old index's view is replaced go unindexed
+            # (see schema.index_rates_upgrade); `why` prices from the rest.
+            schema.ensure(
+                lambda sql: self._post(sql.encode("utf-8"), {}),
+                had_index=self._index_exists(),
+                database=database,
+                retention_days=retention_days,
+            )
+            self._span_index = True
+
+    @property
+    def span_index(self) -> bool:
+        """The span index exists (:mod:`otelkv.store.schema`), so queries can use it; asked
+        once, when a query first wants to know (a reader that never needs it never asks)."""
+        if self._span_index is None:
+            self._span_index = self._index_exists()
+        return self._span_index
+
+    def _index_exists(self) -> bool:
+        try:
+            return self._post(schema.index_exists_query(self.database).encode("utf-8"), {}).strip() == b"1"
+        except StoreError:  # unreachable or not allowed: the first query says so
+            return False
 
     def describe(self) -> str:
         return f"ClickHouse {self.base_url} (database {self.database})"

@@ -17,6 +17,19 @@ from otelkv.store import schema
 from otelkv.store.base import TraceStore
 from otelkv.store.rows import SPAN_SELECT, row_to_span
 
+INDEX_SELECT = "toUnixTimestamp64Nano(Timestamp) AS StartNs, TraceId, SpanId"
+"""What a span index read selects: enough for :func:`_whole_spans` to read the spans."""
+_INDEX_TURNS = f"Kind = {span_sql.lit(schema.KIND_TURN)}"
+_INDEX_TOOLS = f"Kind = {span_sql.lit(schema.KIND_TOOL)}"
+
+
+def _index_table(store: TraceStore) -> str | None:
+    """The span index's qualified name when the store has it (``span_index``), else None."""
+    if not getattr(store, "span_index", False):
+        return None
+    db = schema.quote_ident(getattr(store, "database", "otel"))
+    return f"{db}.{schema.quote_ident(schema.INDEX_TABLE)}"
+
 
 def _tables(store: TraceStore) -> tuple[str, str]:
     db = schema.quote_ident(getattr(store, "database", "otel"))
@@ -26,6 +39,19 @@ def _tables(store: TraceStore) -> tuple[str, str]:
 
 def _spans(store: TraceStore, sql: str, params: dict[str, Any]) -> list[SpanRecord]:
     return [row_to_span(row) for row in store.query(sql, params)]
+
+
+def _spans_via(index: str | None, store: TraceStore, sql: str, params: dict[str, Any]) -> list[SpanRecord]:
+    """The spans ``sql`` selects: whole rows of ``otel_traces``, or (``index`` set) span index
+    rows (:data:`INDEX_SELECT`) then read whole by :func:`_whole_spans`."""
+    if index is None:
+        return _spans(store, sql, params)
+    return [row_to_span(r) for r in _whole_spans(store, store.query(sql, params))]
+
+
+def _row_key(row: dict[str, Any]) -> tuple[str, str, int]:
+    """A span's identity in a selected row: trace id, span id, start (ns)."""
+    return row["TraceId"], row["SpanId"], int(row["StartNs"])
 
 
 def _window(where: list[str], params: dict[str, Any], since_ns: int | None, until_ns: int | None) -> None:
@@ -57,58 +83,78 @@ def turn_spans(
     """
     if conversation_id is None and slowest_first and limit is not None:
         return _slowest_turn_spans(store, since_ns, until_ns, max(0, int(limit)))
-    table, where = _tables(store)[0], [span_sql.TURN_SPANS]
+    # One conversation's turns (at most ``limit``) are found in the span index, then read whole.
+    index = _index_table(store) if conversation_id is not None and limit is not None else None
+    if index is not None:
+        table, where = index, [_INDEX_TURNS]
+        columns, conversation = INDEX_SELECT, "ConversationId"
+    else:
+        table, where = _tables(store)[0], [span_sql.TURN_SPANS]
+        columns, conversation = SPAN_SELECT, "SpanAttributes[{conv_key:String}]"
     params: dict[str, Any] = {"sidecar_scope": names.SCOPE_SIDECAR}
     _window(where, params, since_ns, until_ns)
     if conversation_id is not None:
-        where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
-        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
+        where.append(f"{conversation} = {{conversation_id:String}}")
+        params["conversation_id"] = conversation_id
+        if index is None:
+            params["conv_key"] = names.GEN_AI_CONVERSATION_ID
         order = "StartNs ASC, SpanId"
     else:
         order = f"{span_sql.TURN_LATENCY_S} {'DESC' if slowest_first else 'ASC'}, StartNs ASC"
     one_per_trace = (
-        f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\n"
+        f"SELECT {columns}\nFROM {table}\nWHERE {' AND '.join(where)}\n"
         "ORDER BY ScopeName = {sidecar_scope:String} DESC, Timestamp ASC, SpanId ASC\nLIMIT 1 BY TraceId"
     )
     sql = f"SELECT *\nFROM (\n{one_per_trace}\n)\nORDER BY {order}"
     if limit is not None:
         sql += "\nLIMIT {limit:UInt64}"
         params["limit"] = max(0, int(limit))
-    return _spans(store, sql, params)
+    return _spans_via(index, store, sql, params)
 
 
 def _slowest_turn_spans(
     store: TraceStore, since_ns: int | None, until_ns: int | None, limit: int
 ) -> list[SpanRecord]:
-    """:func:`turn_spans` slowest first, ``limit`` of them, read in two steps.
+    """:func:`turn_spans` slowest first, ``limit`` of them, read in steps.
 
     Picking one span per trace before ordering (``LIMIT 1 BY TraceId`` over every turn span
     of the window) sorts every turn span of the window as whole rows, attribute maps and
     all (seconds on a store of a million turns); instead, the ``ask`` slowest turn spans
-    come first, as trace id and latency only, then every turn span of those traces, whole. Each trace's
+    come first, as ids and latency only, then every turn span of those traces. Each trace's
     span is picked as :func:`otelkv.spans.kinds.turn_rank` picks it, and a picked span among
     the ``ask`` slowest outranks every span outside them: when ``limit`` picked spans are
     among them, they are the answer; otherwise ``ask`` grows. A window with fewer than
     ``ask`` turn spans was read whole.
+
+    With the span index (:data:`otelkv.store.schema.INDEX_TABLE`) both steps read its
+    narrow columns, and the picked spans are then read whole from ``otel_traces`` at their
+    exact timestamps; without it (a fleet's ClickHouse where nobody created it) they read
+    ``otel_traces``, ranking by the latency in each turn span's attribute map.
     """
     if limit == 0:
         return []
     table, _ = _tables(store)
-    where = [span_sql.TURN_SPANS]
+    index = _index_table(store)
     params: dict[str, Any] = {}
+    if index is not None:
+        where, source, latency = [_INDEX_TURNS], index, "Latency"
+        whole_cols = f"{INDEX_SELECT}, ScopeName"
+    else:
+        where, source, latency = [span_sql.TURN_SPANS], table, span_sql.TURN_LATENCY_S
+        whole_cols = SPAN_SELECT
     _window(where, params, since_ns, until_ns)
-    latency, cond = span_sql.TURN_LATENCY_S, " AND ".join(where)
+    cond = " AND ".join(where)
     ask = 2 * limit + 8
     while True:
         params["ask"] = ask
         slowest = store.query(
             f"SELECT TraceId, SpanId, toUnixTimestamp64Nano(Timestamp) AS StartNs, {latency} AS Latency\n"
-            f"FROM {table}\nWHERE {cond}\nORDER BY Latency DESC, StartNs ASC\nLIMIT {{ask:UInt64}}",
+            f"FROM {source}\nWHERE {cond}\nORDER BY Latency DESC, StartNs ASC\nLIMIT {{ask:UInt64}}",
             params,
         )
-        ranked = {(r["TraceId"], r["SpanId"], int(r["StartNs"])) for r in slowest}
+        ranked = {_row_key(r) for r in slowest}
         rows = store.query(
-            f"SELECT {SPAN_SELECT}, {latency} AS Latency\nFROM {table}\n"
+            f"SELECT {whole_cols}, {latency} AS Latency\nFROM {source}\n"
             f"WHERE {cond} AND TraceId IN {{trace_ids:Array(String)}}",
             {**params, "trace_ids": sorted({r["TraceId"] for r in slowest})},
         )
@@ -116,13 +162,35 @@ def _slowest_turn_spans(
         for row in sorted(rows, key=_turn_row_rank):
             picked.setdefault(row["TraceId"], row)
         whole = len(slowest) < ask
-        found = [
-            r for r in picked.values() if whole or (r["TraceId"], r["SpanId"], int(r["StartNs"])) in ranked
-        ]
+        found = [r for r in picked.values() if whole or _row_key(r) in ranked]
         if whole or len(found) >= limit:
             found.sort(key=lambda r: (-float(r["Latency"]), int(r["StartNs"])))
-            return [row_to_span(r) for r in found[:limit]]
+            found = found[:limit]
+            return [row_to_span(r) for r in (found if index is None else _whole_spans(store, found))]
         ask *= 4
+
+
+def _whole_spans(store: TraceStore, found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``otel_traces`` rows of span index rows (trace id, span id, start), in their order.
+
+    Each is read at its exact start (``Timestamp`` is in the primary key; the nearest of
+    :data:`MAX_TIME_RANGES` ranges merged) with the trace-id bloom filter. A turn whose span
+    is gone (retention dropped it between the two reads) is left out."""
+    if not found:
+        return []
+    table, _ = _tables(store)
+    params: dict[str, Any] = {
+        "trace_ids": sorted({r["TraceId"] for r in found}),
+        "span_ids": sorted({r["SpanId"] for r in found}),
+    }
+    starts = [(int(r["StartNs"]), int(r["StartNs"]) + 1) for r in found]
+    rows = store.query(
+        f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE TraceId IN {{trace_ids:Array(String)}} "
+        f"AND SpanId IN {{span_ids:Array(String)}} AND {_in_ranges(starts, params)}",
+        params,
+    )
+    by_key = {_row_key(r): r for r in rows}
+    return [by_key[k] for k in map(_row_key, found) if k in by_key]
 
 
 def _turn_row_rank(row: dict[str, Any]) -> tuple[bool, int, str]:
@@ -224,14 +292,18 @@ def tool_spans(
     any time before the window, so the primary key bounds only its start from above, and
     without PREWHERE ClickHouse reads the attribute maps of every span before the window's
     end. Conversations are matched with ``IN``, which the attribute-value bloom filter
-    index of the exporter's schema prunes by (``has`` it does not).
+    index of the exporter's schema prunes by (``has`` it does not). With the span index the
+    overlap is found there (its narrow rows, no attribute map) and the spans found are then
+    read whole at their exact timestamps.
     """
-    table, _ = _tables(store)
+    index = _index_table(store)
+    table = _tables(store)[0] if index is None else index
     overlap = [
         "Timestamp <= fromUnixTimestamp64Nano({until_ns:Int64})",
         "toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {since_ns:Int64}",
     ]
-    where = [span_sql.TOOL_SPANS]
+    where = [span_sql.TOOL_SPANS if index is None else _INDEX_TOOLS]
+    conversation = "ConversationId" if index is not None else "SpanAttributes[{conv_key:String}]"
     params: dict[str, Any] = {
         "since_ns": int(since_ns),
         "until_ns": int(until_ns),
@@ -245,27 +317,20 @@ def tool_spans(
             )
             params.update({f"wlo{i}": lo, f"whi{i}": hi})
         overlap.append(f"({' OR '.join(ors)})" if ors else "0")
+    if index is None and (conversation_id is not None or conversation_ids is not None):
+        params["conv_key"] = names.GEN_AI_CONVERSATION_ID
     if conversation_id is not None:
-        where.append("SpanAttributes[{conv_key:String}] = {conversation_id:String}")
-        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_id=conversation_id)
+        where.append(f"{conversation} = {{conversation_id:String}}")
+        params["conversation_id"] = conversation_id
     elif conversation_ids is not None:
-        where.append("SpanAttributes[{conv_key:String}] IN {conversation_ids:Array(String)}")
-        params.update(conv_key=names.GEN_AI_CONVERSATION_ID, conversation_ids=list(conversation_ids))
+        where.append(f"{conversation} IN {{conversation_ids:Array(String)}}")
+        params["conversation_ids"] = list(conversation_ids)
+    columns = SPAN_SELECT if index is None else INDEX_SELECT
     sql = (
-        f"SELECT {SPAN_SELECT}\nFROM {table}\nPREWHERE {' AND '.join(overlap)}\n"
+        f"SELECT {columns}\nFROM {table}\nPREWHERE {' AND '.join(overlap)}\n"
         f"WHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
     )
-    return _spans(store, sql, params)
-
-
-NARROW_SELECT = """\
-toUnixTimestamp64Nano(Timestamp) AS StartNs,
-TraceId, SpanId, ParentSpanId, TraceState, SpanName, SpanKind, ServiceName, ScopeName, ScopeVersion,
-Duration, StatusCode, StatusMessage, SpanAttributes"""
-"""Select list of a narrow read: the span's own columns, without resource, events or links.
-The attributes are narrowed in Python: filtering the map in SQL (``arrayFilter`` over its
-keys; the trimmed chDB build has no ``mapFilter``) runs for every row before the LIMIT and
-cost more than it saved."""
+    return _spans_via(index, store, sql, params)
 
 
 def engine_requests(
@@ -275,15 +340,10 @@ def engine_requests(
     until_ns: int,
     roots_only: bool = False,
     limit: int | None = None,
-    attributes: Sequence[str] | None = None,
 ) -> list[SpanRecord]:
     """Engine request spans (:data:`otelkv.spans.sql.ENGINE_REQUEST_SPANS`) starting in
     ``[since_ns, until_ns)``, in start order; with ``roots_only``, only those without a
-    parent (requests whose trace context never reached the engine).
-
-    ``attributes``: read only these span attributes, and no resource, events or links
-    (:data:`NARROW_SELECT`): a sample of thousands of requests for a few facts each.
-    """
+    parent (requests whose trace context never reached the engine)."""
     table, _ = _tables(store)
     where = [
         span_sql.ENGINE_REQUEST_SPANS,
@@ -293,17 +353,41 @@ def engine_requests(
     if roots_only:
         where.append("ParentSpanId = ''")
     params: dict[str, Any] = {"since_ns": int(since_ns), "until_ns": int(until_ns)}
-    select = SPAN_SELECT if attributes is None else NARROW_SELECT
-    sql = f"SELECT {select}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
+    sql = f"SELECT {SPAN_SELECT}\nFROM {table}\nWHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
     if limit is not None:
         sql += "\nLIMIT {limit:UInt64}"
         params["limit"] = max(0, int(limit))
-    spans = _spans(store, sql, params)
-    if attributes is not None:
-        keys = set(attributes)
-        for span in spans:
-            span.attributes = {k: v for k, v in span.attributes.items() if k in keys}
-    return spans
+    return _spans(store, sql, params)
+
+
+def fastest_compute_rate(store: TraceStore, *, since_ns: int, until_ns: int) -> float | None:
+    """The fewest seconds per computed prompt token of the prefill requests starting in
+    ``[since_ns, until_ns)`` (:func:`otelkv.analysis.model.request_compute_rate`, in SQL), or
+    None when none measures compute.
+
+    From the span index's rate rows (:data:`otelkv.store.schema.KIND_RATE`, narrow columns)
+    when the store has it; from every prefill request's attribute map in ``otel_traces``
+    when it has not, or when the index has no rate in the window (an index whose view
+    predates rate rows, on a fleet's ClickHouse that only a sidecar's open upgrades).
+    """
+    window: list[str] = []
+    params: dict[str, Any] = {}
+    _window(window, params, since_ns, until_ns)
+    index = _index_table(store)
+    if index is not None:
+        where = [*window, f"Kind = {span_sql.lit(schema.KIND_RATE)}"]
+        found = _min_rate(store, f"SELECT minOrNull(Latency) AS rate\nFROM {index}", where, params)
+        if found is not None:
+            return found
+    table = _tables(store)[0]
+    select = f"SELECT minOrNull({span_sql.COMPUTE_RATE_S}) AS rate\nFROM {table}"
+    return _min_rate(store, select, [*window, span_sql.COMPUTE_MEASURING_SPANS], params)
+
+
+def _min_rate(store: TraceStore, select: str, where: list[str], params: dict[str, Any]) -> float | None:
+    rows = store.query(f"{select}\nWHERE {' AND '.join(where)}", params)
+    value = rows[0]["rate"] if rows else None
+    return float(value) if value is not None else None
 
 
 def find_turn(store: TraceStore, conversation_id: str, index: int) -> SpanRecord | None:

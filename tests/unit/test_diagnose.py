@@ -1240,29 +1240,3 @@ def test_recompute_rate_skips_requests_whose_wait_covered_the_span() -> None:
     no_compute = turn("b", duration_s=0.2, wait_s=0.3, computed=100)  # wait longer than the span
     assert per_token_compute_s([measured, no_compute]) == pytest.approx(0.004)
     assert per_token_compute_s([no_compute]) is None
-
-
-def test_a_narrow_read_prices_a_request_as_the_whole_span() -> None:
-    """``why`` reads its price sample with only RATE_ATTRIBUTES: the rate must not change."""
-    from otelkv.analysis.model import RATE_ATTRIBUTES, request_compute_rate
-    from otelkv.analysis.sources import narrowed
-
-    values: dict[str, list[Any]] = {
-        names.ROLE: [names.ROLE_PREFILL, names.ROLE_DECODE, None],
-        names.TOKENS_COMPUTED: [0, 15, 16, 300, "300", None],
-        names.REQUEST_OUTCOME: [names.OUTCOME_FINISHED, "aborted", None],
-        names.REMOTE_KV_WAIT_SECONDS: [0.0, 0.2, 5.0, -1.0, None],
-    }
-    priced = 0
-    for combo in itertools.product(*values.values(), ["kv_request prefill", "chat tiny"]):
-        *attr_values, name = combo
-        attrs = {k: v for k, v in zip(values, attr_values, strict=True) if v is not None}
-        attrs.update({"other": 1, names.GEN_AI_CONVERSATION_ID: "c"})
-        span = SpanRecord(
-            "t" * 32, "s" * 16, "", name, "Internal", 0, 2_000_000_000, attrs, {"service.name": "p"}
-        )
-        narrow = narrowed(span, RATE_ATTRIBUTES)
-        assert set(narrow.attributes) <= set(RATE_ATTRIBUTES) and narrow.resource == {}
-        assert request_compute_rate(narrow) == request_compute_rate(span)
-        priced += request_compute_rate(span) is not None
-    assert priced > 0

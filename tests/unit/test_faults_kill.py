@@ -22,9 +22,13 @@ import psutil
 from tests.unit import fake_openai
 from tests.unit import sidecar_harness as h
 
-MAIN_RSS_MB = 600.0
+MAIN_RSS_MB = 700.0
 PROXY_RSS_MB = 100.0
-"""Absolute RSS bounds under load (measured: main ~260-310 MB with chDB, proxy ~30 MB)."""
+"""Absolute RSS bounds under this test's load. Measured on a quiet 2-core machine: main
+peaks at 513-566 MB (about 200 MB at start, chDB loaded; during the writes chDB's global
+thread pool grows to ~135 threads, its tracked query memory peaks near 100 MB, and ~50 MB
+more of its library's pages are touched), proxy ~30 MB. A bound against runaway growth,
+with room for a busier machine than the one measured."""
 EXIT_S = 10.0
 
 

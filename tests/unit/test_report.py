@@ -434,10 +434,10 @@ def test_why_names_a_shortened_table_id_and_prices_from_the_hour_before() -> Non
     with pytest.raises(NotFound, match="shortened in tables"):
         why(source, "conv-la..apse#1")
 
-    def prefill(duration_s: float, computed: int, wait_s: float = 0.0) -> SpanRecord:
+    def prefill(duration_s: float, computed: int, wait_s: float = 0.0, start_ns: int = 0) -> SpanRecord:
         return SpanRecord(
             trace_id="a" * 32, span_id="b" * 16, parent_span_id="", name="kv_request prefill",
-            kind="Internal", start_ns=0, end_ns=int(duration_s * 1e9), resource={}, attributes={
+            kind="Internal", start_ns=start_ns, end_ns=start_ns + int(duration_s * 1e9), resource={}, attributes={
                 names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: computed,
                 names.REQUEST_OUTCOME: names.OUTCOME_FINISHED, names.REMOTE_KV_WAIT_SECONDS: wait_s,
             },
@@ -445,5 +445,17 @@ def test_why_names_a_shortened_table_id_and_prices_from_the_hour_before() -> Non
 
     measured = [prefill(0.5, 100), prefill(0.3, 100, wait_s=0.2), prefill(0.1, 8), prefill(0.1, 100, 0.2)]
     # 5 ms/token; 1 ms/token; too few tokens to measure; the wait covered the span
-    assert diagnosis_context([], measured=measured).per_token_s == pytest.approx(0.001)
-    assert diagnosis_context([], measured=[]).per_token_s is None
+    rate = InMemorySource(measured).fastest_compute_rate(since_ns=0, until_ns=1)
+    assert diagnosis_context([], measured_rate=rate).per_token_s == pytest.approx(0.001)
+    assert InMemorySource(measured).fastest_compute_rate(since_ns=1, until_ns=2) is None
+    assert diagnosis_context([], measured_rate=None).per_token_s is None
+
+    # why's window: a request of the half hour before the turn prices it, a faster one two
+    # hours before does not (1 us and 0.1 us a token: far below what the turns measure).
+    inside, outside = (
+        prefill(0.0001, 100, start_ns=T0 - 1800 * S),
+        prefill(0.00001, 100, start_ns=T0 - 7200 * S),
+    )
+    assert why(InMemorySource([*short_id_spans(), inside, outside]), "conv-lapse#1")[
+        "per_token_compute_s"
+    ] == pytest.approx(1e-6)

@@ -7,6 +7,7 @@ the retention as soon as they are written.
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -18,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from otelkv import names
+from otelkv.analysis.model import request_compute_rate
 from otelkv.analysis.sources import InMemorySource
 from otelkv.spans import SpanRecord, attr_bool, attr_float, attr_int
+from otelkv.spans import sql as span_sql
 from otelkv.store import StoreError, open_store, queries
 from otelkv.store.chdb_store import ChdbStore
 
@@ -229,16 +232,18 @@ def test_trace_spans_and_tool_spans(store: ChdbStore) -> None:
     memory = InMemorySource(inserted)
     for windows in cases:
         expected = memory.tool_spans(since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows)
-        for conv_ids in (None, ["c1", "c2"], ["c2"]):
-            tools = queries.tool_spans(
-                store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows, conversation_ids=conv_ids
-            )
-            wanted = [
-                s
-                for s in expected
-                if conv_ids is None or s.attributes[names.GEN_AI_CONVERSATION_ID] in conv_ids
-            ]
-            assert tools == wanted, (windows, conv_ids)
+        for store.span_index in (True, False):  # through the span index, and without it
+            for conv_ids in (None, ["c1", "c2"], ["c2"]):
+                tools = queries.tool_spans(
+                    store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=windows, conversation_ids=conv_ids
+                )
+                wanted = [
+                    s
+                    for s in expected
+                    if conv_ids is None or s.attributes[names.GEN_AI_CONVERSATION_ID] in conv_ids
+                ]
+                assert tools == wanted, (windows, store.span_index, conv_ids)
+    store.span_index = True
     assert len(queries.tool_spans(store, since_ns=NOW, until_ns=NOW + 60 * SEC, windows=cases[0])) == 1
 
 
@@ -278,7 +283,66 @@ def test_ttl_clause_and_contrib_schema(store: ChdbStore) -> None:
     lookup = store.query("SHOW CREATE TABLE otel.otel_traces_trace_id_ts")[0]["statement"]
     assert "TTL toDateTime(Start) + toIntervalDay(7)" in lookup
     tables = {r["name"] for r in store.query("SELECT name FROM system.tables WHERE database = 'otel'")}
-    assert tables == {"otel_traces", "otel_traces_trace_id_ts", "otel_traces_trace_id_ts_mv"}
+    assert tables == {
+        "otel_traces",
+        "otel_traces_trace_id_ts",
+        "otel_traces_trace_id_ts_mv",
+        "otelkv_span_index",
+        "otelkv_span_index_mv",
+    }
+    index = store.query("SHOW CREATE TABLE otel.otelkv_span_index")[0]["statement"]
+    assert "TTL toDateTime(Timestamp) + toIntervalDay(7)" in index
+
+
+def rate_spans() -> list[SpanRecord]:
+    """Every mix of the facts a compute rate depends on, one span each, a millisecond apart
+    (as the store returns attributes: strings; a missing value is no attribute)."""
+    values: dict[str, list[str | None]] = {
+        names.ROLE: [names.ROLE_PREFILL, names.ROLE_DECODE, None],
+        names.TOKENS_COMPUTED: ["0", "15", "16", "300", "x", "NaN", "+Inf", None],
+        names.REQUEST_OUTCOME: [names.OUTCOME_FINISHED, "aborted", None],
+        names.REMOTE_KV_WAIT_SECONDS: ["0", "0.25", "5", "-1", "NaN", "+Inf", "-Inf", None],
+    }
+    out = []
+    combos = itertools.product(
+        *values.values(), ["kv_request prefill", "kv_request", "chat tiny"], [2.0, 0.5]
+    )
+    for i, (*attr_values, name, dur_s) in enumerate(combos):
+        attrs = {k: v for k, v in zip(values, attr_values, strict=True) if v is not None}
+        out.append(span(f"r{i}", f"s{i}", name, NOW + i * 10**6, dur_s, {**attrs, "other": "1"}))
+    return out
+
+
+def test_the_store_prices_each_request_as_the_analysis_does(store: ChdbStore) -> None:
+    """The span index's rate rows and the SQL over ``otel_traces`` give every request the rate
+    ``request_compute_rate`` gives it (and none where it gives none), and the fastest of a
+    window is the least of those."""
+    spans = rate_spans()
+    store.insert_spans(spans)
+    python = {s.start_ns: request_compute_rate(s) for s in spans}
+    wanted = {start: rate for start, rate in python.items() if rate is not None}
+    assert len(wanted) >= 8 and len(python) - len(wanted) >= 3000  # both kinds are exercised
+    table = store.query(
+        "SELECT toUnixTimestamp64Nano(Timestamp) AS ns, Latency FROM otel.otelkv_span_index WHERE Kind = 'rate'"
+    )
+    assert {int(r["ns"]): pytest.approx(r["Latency"], rel=1e-12) for r in table} == wanted
+    sql = store.query(
+        f"SELECT toUnixTimestamp64Nano(Timestamp) AS ns, {span_sql.COMPUTE_RATE_S} AS Rate "
+        f"FROM otel.otel_traces WHERE {span_sql.COMPUTE_MEASURING_SPANS}"
+    )
+    assert {int(r["ns"]): pytest.approx(r["Rate"], rel=1e-12) for r in sql} == wanted
+    starts = sorted(python)
+    windows = [
+        (starts[0], starts[-1] + 1),
+        (starts[0], starts[len(starts) // 3]),
+        (starts[-1], starts[-1] + 1),
+    ]
+    for lo, hi in windows:
+        truth = min((r for t, r in wanted.items() if lo <= t < hi), default=None)
+        for store.span_index in (True, False):  # from the index, and as on a ClickHouse without it
+            got = queries.fastest_compute_rate(store, since_ns=lo, until_ns=hi)
+            assert got == (None if truth is None else pytest.approx(truth, rel=1e-12)), (lo, hi)
+    store.span_index = True
 
 
 def test_skip_indexes_are_built_by_merges(store: ChdbStore) -> None:
@@ -387,26 +451,43 @@ def test_merge_ranges() -> None:
     assert queries.merge_ranges([(0, 1), (3, 4)], 1) == [(0, 4)]
 
 
-def test_engine_requests_narrow_read(store: ChdbStore) -> None:
-    attrs = {names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: 300, "other": "x"}
-    store.insert_spans(
-        [span("n1", f"r{i}", "kv_request prefill", NOW + i, 0.5, attrs) for i in range(3)]
-        + [span("n2", "t", "chat tiny", NOW, 1.0, {names.ROLE: "x"})]
+def test_an_index_from_before_its_rates_gets_them_when_opened(tmp_path: Path) -> None:
+    """A span index whose view indexed turns and tools only: at open the view is replaced and
+    the prefill rates already stored are indexed, once; later inserts are indexed by the view."""
+    old = ChdbStore(tmp_path / "old")
+    old.query("DROP TABLE otel.otelkv_span_index_mv")
+    old.query(
+        "CREATE MATERIALIZED VIEW otel.otelkv_span_index_mv TO otel.otelkv_span_index AS SELECT "
+        f"if({span_sql.TURN_SPANS}, 'turn', 'tool') AS Kind, Timestamp, Duration, TraceId, SpanId, ScopeName, "
+        f"{span_sql.attr(names.GEN_AI_CONVERSATION_ID)} AS ConversationId, {span_sql.TURN_LATENCY_S} AS Latency "
+        f"FROM otel.otel_traces WHERE {span_sql.TURN_SPANS} OR {span_sql.TOOL_SPANS}"
     )
-    full = queries.engine_requests(store, since_ns=NOW, until_ns=NOW + SEC, limit=2)
-    narrow = queries.engine_requests(
-        store,
-        since_ns=NOW,
-        until_ns=NOW + SEC,
-        limit=2,
-        attributes=[names.TOKENS_COMPUTED, names.ROLE, "absent"],
+    prefill = {names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: 100, names.REQUEST_OUTCOME: "finished"}
+    old.insert_spans(
+        [turn("u", 0, NOW, 1.0, 1.0, "u0"), span("u0", "p1", "kv_request prefill", NOW + 2, 0.5, prefill)]
     )
-    assert [s.span_id for s in narrow] == [s.span_id for s in full]
-    assert [(s.start_ns, s.end_ns, s.name, s.scope_name) for s in narrow] == [
-        (s.start_ns, s.end_ns, s.name, s.scope_name) for s in full
-    ]
-    assert narrow[0].attributes == {names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: "300"}
-    assert narrow[0].resource == {} and full[0].resource["service.name"] == "agent"
+    assert old.query("SELECT count() AS n FROM otel.otelkv_span_index WHERE Kind = 'rate'")[0]["n"] == 0
+    # A reader of such an index (a fleet's ClickHouse nobody upgraded) prices from the spans.
+    assert queries.fastest_compute_rate(old, since_ns=NOW, until_ns=NOW + SEC) == pytest.approx(0.005)
+    old.close()
+    for _ in range(2):  # opened twice: upgraded once
+        reopened = ChdbStore(tmp_path / "old")
+        try:
+            kinds = reopened.query(
+                "SELECT Kind, count() AS n FROM otel.otelkv_span_index GROUP BY Kind ORDER BY Kind"
+            )
+            assert kinds == [{"Kind": "rate", "n": 1}, {"Kind": "turn", "n": 1}]
+            assert queries.fastest_compute_rate(reopened, since_ns=NOW, until_ns=NOW + SEC) == pytest.approx(
+                0.005
+            )
+        finally:
+            reopened.close()
+    again = ChdbStore(tmp_path / "old")
+    try:
+        again.insert_spans([span("u1", "p2", "kv_request prefill", NOW + 3, 0.2, prefill)])  # the new view
+        assert queries.fastest_compute_rate(again, since_ns=NOW, until_ns=NOW + SEC) == pytest.approx(0.002)
+    finally:
+        again.close()
 
 
 def test_insert_encoded_takes_an_encoded_batch(store: ChdbStore) -> None:
@@ -444,7 +525,51 @@ def test_slowest_turn_spans_equal_the_whole_ranking(store: ChdbStore) -> None:
             )
     store.insert_spans(spans)
     for since, until in ((None, None), (NOW + 100 * SEC, NOW + 400 * SEC), (NOW + 590 * SEC, None)):
-        whole = [s.span_id for s in queries.turn_spans(store, since_ns=since, until_ns=until, limit=None)]
+        whole = queries.turn_spans(store, since_ns=since, until_ns=until, limit=None)
         for limit in (1, 5, 40, 400):
-            got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
-            assert [s.span_id for s in got] == whole[:limit]
+            # Through the span index, and as on a ClickHouse without it.
+            for store.span_index in (True, False):
+                got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
+                assert got == whole[:limit], store.span_index
+    for conv in ("c0", "c5", "c16", "nobody"):  # one conversation's turns, in time order
+        for limit in (1, 3, 100):
+            answers = []
+            for store.span_index in (True, False):
+                answers.append(queries.turn_spans(store, conversation_id=conv, limit=limit))
+            assert answers[0] == answers[1] and len(answers[0]) <= limit, conv
+            assert (len(answers[0]) > 0) == (conv != "nobody")
+    store.span_index = True
+
+
+def test_a_store_from_before_the_span_index_is_indexed_when_opened(tmp_path: Path) -> None:
+    old = ChdbStore(tmp_path / "old")
+    old.query("DROP TABLE otel.otelkv_span_index_mv")
+    old.query("DROP TABLE otel.otelkv_span_index")
+    tool = span("ot", "u1", "execute_tool search", NOW + 1, 0.5, {names.GEN_AI_CONVERSATION_ID: "o"})
+    prefill = {names.ROLE: names.ROLE_PREFILL, names.TOKENS_COMPUTED: 100, names.REQUEST_OUTCOME: "finished"}
+    request = span("o0", "p1", "kv_request prefill", NOW + 2, 0.5, prefill)
+    old.insert_spans(
+        [turn("o", i, NOW + i * SEC, 1.0 + i, 1.0 + i, f"o{i}") for i in range(3)] + [tool, request]
+    )
+    old.close()
+    reopened = ChdbStore(tmp_path / "old")
+    try:
+        rate = queries.fastest_compute_rate(reopened, since_ns=NOW, until_ns=NOW + SEC)
+        assert rate == pytest.approx(0.005)  # 0.5 s over 100 tokens, from the filled index
+        kinds = reopened.query(
+            "SELECT Kind, count() AS n FROM otel.otelkv_span_index GROUP BY Kind ORDER BY Kind"
+        )
+        assert kinds == [{"Kind": "rate", "n": 1}, {"Kind": "tool", "n": 1}, {"Kind": "turn", "n": 3}]
+        assert [s.span_id for s in queries.tool_spans(reopened, since_ns=NOW, until_ns=NOW + SEC)] == [
+            tool.span_id
+        ]
+        reopened.insert_spans([turn("o", 3, NOW + 3 * SEC, 9.0, 9.0, "o3")])  # the view, from now on
+        slowest = queries.turn_spans(reopened, limit=2)
+        assert [attr_int(s.attributes, names.TURN_INDEX) for s in slowest] == [3, 2]
+    finally:
+        reopened.close()
+    again = ChdbStore(tmp_path / "old")  # backfilled once: opening again adds nothing
+    try:
+        assert again.query("SELECT count() AS n FROM otel.otelkv_span_index")[0]["n"] == 6
+    finally:
+        again.close()

@@ -23,6 +23,8 @@ class Fake:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
         self.reply = b""
+        self.answers: dict[str, bytes] = {}
+        """Replies by the request body's start (else :attr:`reply`)."""
         self.status = 200
 
 
@@ -44,7 +46,8 @@ def fake() -> Iterator[tuple[Fake, str]]:
             )
             self.send_response(state.status)
             self.end_headers()
-            self.wfile.write(state.reply)
+            body = state.requests[-1]["body"]
+            self.wfile.write(next((a for k, a in state.answers.items() if body.startswith(k)), state.reply))
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -61,9 +64,16 @@ def test_schema_created_on_open(fake: tuple[Fake, str]) -> None:
     state, url = fake
     ClickHouseHttpStore(url, retention_days=3)
     bodies = [r["body"] for r in state.requests]
-    assert bodies[0] == "CREATE DATABASE IF NOT EXISTS `otel`"
-    assert "CREATE TABLE IF NOT EXISTS `otel`.`otel_traces`" in bodies[1] and "toIntervalDay(3)" in bodies[1]
-    assert "otel_traces_trace_id_ts_mv" in bodies[3]
+    assert bodies[0] == "EXISTS TABLE `otel`.`otelkv_span_index`"  # the fake answers no: backfilled below
+    assert bodies[1] == "CREATE DATABASE IF NOT EXISTS `otel`"
+    assert "CREATE TABLE IF NOT EXISTS `otel`.`otel_traces`" in bodies[2] and "toIntervalDay(3)" in bodies[2]
+    assert "otel_traces_trace_id_ts_mv" in bodies[4]
+    assert (
+        "CREATE TABLE IF NOT EXISTS `otel`.`otelkv_span_index`" in bodies[5]
+        and "toIntervalDay(3)" in bodies[5]
+    )
+    assert "otelkv_span_index_mv" in bodies[6]
+    assert bodies[7].startswith("INSERT INTO `otel`.`otelkv_span_index`") and len(bodies) == 8
 
 
 def test_query_commands_open_a_fleet_clickhouse_without_ddl(fake: tuple[Fake, str]) -> None:
@@ -75,6 +85,26 @@ def test_query_commands_open_a_fleet_clickhouse_without_ddl(fake: tuple[Fake, st
     assert not any("CREATE" in r["body"] for r in state.requests)
 
 
+def test_an_index_from_before_its_rates_is_upgraded_on_open(fake: tuple[Fake, str]) -> None:
+    """The index exists and its view indexes no prefill rates: the stored rates are indexed,
+    then the view is replaced (in that order: an upgrade cut short is redone)."""
+    state, url = fake
+    state.answers = {"EXISTS TABLE": b"1\n", "SELECT count() AS n FROM system.tables": b"1\n"}
+    ClickHouseHttpStore(url, retention_days=3)
+    bodies = [r["body"] for r in state.requests]
+    check = next(i for i, b in enumerate(bodies) if b.startswith("SELECT count() AS n FROM system.tables"))
+    assert "name = 'otelkv_span_index_mv'" in bodies[check] and "\\'rate\\'" in bodies[check]
+    upgrade = bodies[check + 1 :]
+    assert upgrade[0].startswith("INSERT INTO `otel`.`otelkv_span_index`") and "'rate'" in upgrade[0]
+    assert upgrade[1] == "DROP VIEW IF EXISTS `otel`.`otelkv_span_index_mv`"
+    assert upgrade[2].startswith("CREATE MATERIALIZED VIEW IF NOT EXISTS `otel`.`otelkv_span_index_mv`")
+    assert len(upgrade) == 3 and not any(b.startswith("INSERT") for b in bodies[:check])
+    state.requests.clear()
+    state.answers["SELECT count() AS n FROM system.tables"] = b"0\n"  # upgraded: nothing more
+    ClickHouseHttpStore(url, retention_days=3)
+    assert not any(r["body"].startswith(("INSERT", "DROP")) for r in state.requests)
+
+
 def test_query_uses_server_side_parameters_and_auth(fake: tuple[Fake, str], monkeypatch: Any) -> None:
     state, url = fake
     monkeypatch.setenv("CLICKHOUSE_PASSWORD", "env-pw")
@@ -84,7 +114,9 @@ def test_query_uses_server_side_parameters_and_auth(fake: tuple[Fake, str], monk
         b'"SpanAttributes":{"otelkv.turn.index":"2"}}\n'
     )
     got = queries.turn_spans(store, conversation_id="c'1\n", limit=3)
-    (req,) = state.requests
+    # Asked once whether the span index exists (the fake says no), then the query itself.
+    exists, req = state.requests
+    assert exists["body"] == "EXISTS TABLE `otel`.`otelkv_span_index`"
     assert req["auth"] == "Basic " + base64.b64encode(b"alice:env-pw").decode()
     assert req["query"]["param_conversation_id"] == "c'1\\n"  # escaped text, not SQL
     assert req["query"]["param_limit"] == "3" and req["query"]["default_format"] == "JSONEachRow"

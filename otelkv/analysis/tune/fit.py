@@ -28,8 +28,9 @@ from typing import Any
 
 from otelkv import names
 from otelkv.analysis.diagnose import pull_seconds
-from otelkv.analysis.model import MIN_COMPUTED_TOKENS, Leg, Turn
+from otelkv.analysis.model import Leg, Turn
 from otelkv.analysis.tune.evidence import MIN_FIT_SAMPLES, MIN_SIZE_RATIO, Evidence, judge_fit
+from otelkv.spans.kinds import MIN_COMPUTED_TOKENS
 
 METHOD_LEAST_SQUARES = "least_squares"
 METHOD_NONE = "none"
