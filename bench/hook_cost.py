@@ -13,6 +13,11 @@ to a receiver running in another process. The same loop runs with
 ``otelkv_enabled=false`` (the wrapper forwarding straight through) in alternating
 repeats, so machine noise hits both alike.
 
+Each arm runs twice: one request per engine step (an idle engine: every step's own work
+is charged to its one request) and ``--batch`` requests per step (a busy engine, where the
+per-step hooks are shared). Each step's stats are encoded with vLLM's ``MsgpackEncoder``, as
+EngineCore's output thread does in the engine's process.
+
 Prints, per request: the decode side's digest of ``--continuity-tokens`` tokens (what a
 decode node adds when a request finishes), then CPU of this process (where vLLM's
 scheduler loop would run) for each arm and the difference; the exporter process's CPU
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.serial_utils import MsgpackEncoder
 
 from otelkv import names
 from otelkv.engine import continuity, telemetry
@@ -65,8 +71,19 @@ HANDLE = fakes.DECODE_HANDLE
 
 
 def run(
-    connector: OtelKVConnector, requests: int, handle: dict, prompt_ids: list[int], prompt_hashes: list[bytes]
+    connector: OtelKVConnector,
+    requests: int,
+    handle: dict,
+    prompt_ids: list[int],
+    prompt_hashes: list[bytes],
+    batch: int = 1,
 ) -> float:
+    """Engine-process CPU per request: ``requests`` requests through the hooks, ``batch`` of
+    them sharing each engine step (arrivals, matching and allocation, then one step's
+    ``build_connector_meta``, the step output reporting every load, the step's stats; then
+    every finish, and one step reporting the releases, with its stats), as vLLM's scheduler
+    calls them. Each step's stats go through vLLM's msgpack encoder as EngineCore's output
+    thread sends them (in the engine's process)."""
     fakes.RETURNS.update(
         {
             "get_num_new_matched_tokens": (98, True),
@@ -75,38 +92,54 @@ def run(
         }
     )
     status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    encoder = MsgpackEncoder()
+
+    def step_stats() -> None:
+        stats = connector.get_kv_connector_stats()
+        if stats is not None:
+            encoder.encode(stats.to_dict())
+
     started = time.process_time()
-    for i in range(requests):
-        rid = f"chatcmpl-{i:08x}-12345678"
-        request = SimpleNamespace(
-            request_id=rid,
-            kv_transfer_params=dict(handle),
-            prompt_token_ids=prompt_ids,
-            block_hashes=prompt_hashes,
-            trace_headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
-            session_id="conv-1",
-            num_prompt_tokens=len(prompt_ids),
-            num_output_tokens=1,
-            status=status,
-        )
-        connector.on_new_request(request)  # type: ignore[arg-type]
-        connector.get_num_new_matched_tokens(request, 32)  # type: ignore[arg-type]
-        connector.update_state_after_alloc(request, None, 98)  # type: ignore[arg-type]
+    for first in range(0, requests, batch):
+        group = []
+        for i in range(first, min(first + batch, requests)):
+            rid = f"chatcmpl-{i:08x}-12345678"
+            group.append(
+                SimpleNamespace(
+                    request_id=rid,
+                    kv_transfer_params=dict(handle),
+                    prompt_token_ids=prompt_ids,
+                    block_hashes=prompt_hashes,
+                    trace_headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+                    session_id="conv-1",
+                    num_prompt_tokens=len(prompt_ids),
+                    num_output_tokens=1,
+                    status=status,
+                )
+            )
+        for request in group:
+            connector.on_new_request(request)  # type: ignore[arg-type]
+            connector.get_num_new_matched_tokens(request, 32)  # type: ignore[arg-type]
+            connector.update_state_after_alloc(request, None, 98)  # type: ignore[arg-type]
         connector.build_connector_meta(None)  # type: ignore[arg-type]
-        record = TransferRecord(rid, "ok", bytes=262144, descriptors=2, handles=1, xfer_s=0.01, post_s=0.001)
-        meta = OtelKVWorkerMeta(transfers={rid: record})
-        connector.update_connector_output(
-            KVConnectorOutput(finished_recving={rid}, kv_connector_worker_meta=meta)
-        )
-        connector.get_kv_connector_stats()
-        connector.request_finished_all_groups(request, ([1, 2, 3, 4, 5],))  # type: ignore[arg-type]
-        connector.update_connector_output(KVConnectorOutput(finished_sending={rid}))
-        connector.get_kv_connector_stats()
+        ids = {request.request_id for request in group}
+        transfers = {
+            rid: TransferRecord(rid, "ok", bytes=262144, descriptors=2, handles=1, xfer_s=0.01, post_s=0.001)
+            for rid in ids
+        }
+        meta = OtelKVWorkerMeta(transfers=transfers)
+        loaded = KVConnectorOutput(finished_recving=ids, kv_connector_worker_meta=meta)
+        connector.update_connector_output(loaded)
+        step_stats()
+        for request in group:
+            connector.request_finished_all_groups(request, ([1, 2, 3, 4, 5],))  # type: ignore[arg-type]
+        connector.update_connector_output(KVConnectorOutput(finished_sending=ids))
+        step_stats()
         # The recording inner connector keeps every call's arguments (for the unit tests):
-        # dropped each request, so the heap the garbage collector scans stays an engine's, not
+        # dropped each step, so the heap the garbage collector scans stays an engine's, not
         # a growing list of every request ever made.
         fakes.CALLS.clear()
-    telemetry.flush()  # includes pickling the records into the pipe (a thread of this process)
+    telemetry.flush()  # includes marshalling the records into the pipe (a thread of this process)
     return (time.process_time() - started) / requests * 1e6
 
 
@@ -123,7 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         default=2048,
         help="tokens the decode handle's digest covers (0: none)",
     )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="requests sharing each engine step in the loaded arm (a busy engine's batch)",
+    )
     args = parser.parse_args(argv)
+    batches = (1, max(args.batch, 1))
     held = list(range(1000, 1000 + args.continuity_tokens))
     prompt_ids = [*held, *range(64)] if held else list(range(150))
     # vLLM's EngineCore hashes every request's blocks whether or not otelkv runs (for prefix
@@ -156,50 +196,57 @@ def main(argv: list[str] | None = None) -> int:
         f"http://127.0.0.1:{sink.stdout.readline().strip()}/v1/traces"
     )
     os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
-    on_us: list[float] = []
-    off_us: list[float] = []
+    on_us: dict[int, list[float]] = {b: [] for b in batches}
+    off_us: dict[int, list[float]] = {b: [] for b in batches}
     exporter_us: list[float] = []
     try:
         for repeat in range(args.repeats):
-            for enabled in (True, False) if repeat % 2 == 0 else (False, True):
-                fakes.reset()
-                connector = make_connector(enabled)
-                # vLLM's EngineCore freezes its startup heap (vllm.utils.gc_utils.freeze_gc_heap)
-                # before serving: without the same here, every collection the hooks' allocations
-                # trigger would scan vLLM's and torch's import-time objects and be charged to otelkv.
-                gc.collect()
-                gc.freeze()
-                writer = connector._sched._writer if connector._sched else None  # type: ignore[union-attr]
-                child = getattr(getattr(writer, "_proc", None), "pid", None)
-                child_before = cpu_seconds(child) if child else 0.0
-                (on_us if enabled else off_us).append(
-                    run(connector, args.requests, handle, prompt_ids, prompt_hashes)
-                )
-                if child:
-                    time.sleep(1.0)  # let the exporter process finish the last batch
-                    exporter_us.append((cpu_seconds(child) - child_before) / args.requests * 1e6)
-                telemetry.reset_for_tests()
+            for batch in batches:
+                for enabled in (True, False) if repeat % 2 == 0 else (False, True):
+                    fakes.reset()
+                    connector = make_connector(enabled)
+                    # vLLM's EngineCore freezes its startup heap (vllm.utils.gc_utils.freeze_gc_heap)
+                    # before serving: without the same here, every collection the hooks' allocations
+                    # trigger would scan vLLM's and torch's import-time objects and be charged to otelkv.
+                    gc.collect()
+                    gc.freeze()
+                    writer = connector._sched._writer if connector._sched else None  # type: ignore[union-attr]
+                    child = getattr(getattr(writer, "_proc", None), "pid", None)
+                    child_before = cpu_seconds(child) if child else 0.0
+                    (on_us if enabled else off_us)[batch].append(
+                        run(connector, args.requests, handle, prompt_ids, prompt_hashes, batch)
+                    )
+                    if child:
+                        time.sleep(1.0)  # let the exporter process finish the last batch
+                        exporter_us.append((cpu_seconds(child) - child_before) / args.requests * 1e6)
+                    telemetry.reset_for_tests()
+                    gc.unfreeze()
     finally:
         sink.kill()
-    on, off = statistics.median(on_us), statistics.median(off_us)
-    added = on - off
     print(
         f"decode side: digest of {len(held)} tokens when a request finishes "
         f"{statistics.median(digest_us):8.1f} us (median of {args.repeats} x 200)"
     )
-    print(f"CPU per P/D request through the hooks (median of {args.repeats} x {args.requests} requests):")
-    print(f"  engine process, otelkv off (pure forwarding) {off:8.1f} us")
-    print(f"  engine process, otelkv on                    {on:8.1f} us")
     print(
-        f"  added on the engine's process                {added:8.1f} us per request "
-        f"(3 spans recorded, a {len(held)}-token continuity check)"
+        f"CPU per P/D request through the hooks (median of {args.repeats} x {args.requests} requests; "
+        f"3 spans recorded, a {len(held)}-token continuity check):"
     )
+    added_serial = 0.0
+    for batch in batches:
+        on, off = statistics.median(on_us[batch]), statistics.median(off_us[batch])
+        added = on - off
+        added_serial = added if batch == 1 else added_serial
+        label = "one request per engine step" if batch == 1 else f"{batch} requests per engine step"
+        print(f"  {label}:")
+        print(f"    engine process, otelkv off (pure forwarding) {off:8.1f} us")
+        print(f"    engine process, otelkv on                    {on:8.1f} us")
+        print(f"    added on the engine's process                {added:8.1f} us per request")
+    exporter = statistics.median(exporter_us)
+    print(f"  otelkv's exporter process (another core)       {exporter:8.1f} us per request")
+    share = added_serial / (args.engine_ms * 1000)
     print(
-        f"  otelkv's exporter process (another core)     {statistics.median(exporter_us):8.1f} us per request"
-    )
-    share = added / (args.engine_ms * 1000)
-    print(
-        f"  engine-side share of a {args.engine_ms:g} ms engine request: {share:.4%}  (ratio {1 + share:.5f})"
+        f"  engine-side share of a {args.engine_ms:g} ms engine request (one per step): "
+        f"{share:.4%}  (ratio {1 + share:.5f})"
     )
     return 0
 
