@@ -2,11 +2,13 @@
 
 Nothing here is mocked: two vLLM engines (CPU build) with NIXL over UCX, the reference
 router, and an OTLP receiver collecting the spans the engines export. Engine logs stay
-in the fleet's workdir (printed on failure) for post-mortems.
+in the fleet's workdir (printed on failure) for post-mortems, and a failed test's report
+carries the last lines of each engine's log: CI keeps the report, not the workdir.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +16,9 @@ import pytest
 from otelkv.fleet.fleet import Fleet, FleetConfig
 
 pytestmark = pytest.mark.fleet
+
+LOG_TAIL_LINES = 40
+"""Lines of each engine's log a failed test's report carries."""
 
 
 def fleet_fixture(config: FleetConfig, request: pytest.FixtureRequest) -> Iterator[Fleet]:
@@ -34,3 +39,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if report.failed:
         # Remember on the module so the module-scoped fleet can say where its logs are.
         item.module._otelkv_failed = True  # type: ignore[attr-defined]
+        fleet = getattr(item, "funcargs", {}).get("fleet")
+        if isinstance(fleet, Fleet):
+            report.sections.append(("fleet engine logs, last lines", engine_log_tails(fleet)))
+
+
+def engine_log_tails(fleet: Fleet, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` of each engine's log, each line prefixed with the engine's role:
+    what the engines did when a request hung or failed (a timeout says nothing else)."""
+    tails: list[str] = []
+    for engine in (fleet.prefill, fleet.decode):
+        if engine is None or not engine.log_path.exists():
+            continue
+        with engine.log_path.open(errors="replace") as log:
+            tails += [f"[{engine.spec.role}] {line.rstrip()}" for line in deque(log, maxlen=lines)]
+    return "\n".join(tails) or "(no engine log)"
