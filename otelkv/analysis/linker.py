@@ -39,14 +39,15 @@ def load_turns(
     """Model the given turn spans (one turn per trace), each linked to its previous turn, in
     two or three queries (and three per cluster of turns whose engine requests came in
     traces of their own and are joined by inference, :func:`infer_joins`). ``fetched``: traces
-    already read (trace id -> spans), not read again."""
+    already read (trace id -> spans), not read again; those that are neither a turn's nor its
+    previous turn's are ignored."""
     turn_spans = one_per_trace(turn_spans)
     if not turn_spans:
         return []
     wanted = [s.trace_id for s in turn_spans]
     prev_ids = [attr_str(s.attributes, names.TURN_PREVIOUS_TRACE_ID) for s in turn_spans]
     ids = list(dict.fromkeys(wanted + [p for p in prev_ids if p]))
-    by_trace = {tid: list(spans) for tid, spans in (fetched or {}).items()}
+    by_trace = {tid: list(spans) for tid, spans in (fetched or {}).items() if tid in ids}
     missing = [tid for tid in ids if tid not in by_trace]
     if missing:
         by_trace.update(group_by_trace(source.trace_spans(missing)))
@@ -134,13 +135,17 @@ def window_turns(
 def load_trace(source: SpanSource, trace_id: str, spans: Sequence[SpanRecord]) -> Turn | None:
     """The turn of one trace whose ``spans`` were read, linked like any other; None when they
     hold neither a turn nor an engine request. A trace with only engine spans (no turn span)
-    gives an engine-only turn without a predecessor."""
-    turn_spans = [s for s in spans if is_turn_span(s)]
+    gives an engine-only turn without a predecessor. ``spans`` may hold other traces' spans
+    too (:meth:`SpanSource.turn_trace_spans`): the previous turn's trace is then not read
+    again when it is among them."""
+    by_trace = group_by_trace(spans)
+    own = by_trace.get(trace_id, [])
+    turn_spans = [s for s in own if is_turn_span(s)]
     if turn_spans:
-        turns = load_turns(source, turn_spans, fetched={trace_id: list(spans)})
+        turns = load_turns(source, turn_spans, fetched=by_trace)
         if turns:
             return turns[0]
-    return build_turn(spans)
+    return build_turn(own)
 
 
 def _facts(span: SpanRecord) -> inferred_join.TurnFacts:

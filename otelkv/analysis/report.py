@@ -12,15 +12,17 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from otelkv import names
 from otelkv.analysis import scope, turn_json
 from otelkv.analysis.diagnose import Context, diagnose
 from otelkv.analysis.linker import load_trace, load_turns
 from otelkv.analysis.model import Turn, per_token_compute_s
-from otelkv.analysis.sources import SpanSource
-from otelkv.spans import SpanRecord
+from otelkv.analysis.sources import SpanSource, group_by_trace
+from otelkv.spans import SpanRecord, attr_str, is_turn_span
+from otelkv.spans.kinds import one_per_trace
 
 CONVERSATION_LIMIT = 1000
-"""Most turns ``conversation`` shows (the last ones are kept when a conversation is longer)."""
+"""Most turns ``conversation`` shows (the first ones when a conversation is longer)."""
 
 _HEX = re.compile(r"^[0-9a-fA-F]+$")
 TRACE_ID_DIGITS = 32
@@ -109,16 +111,25 @@ def _slowest_counted(
 def conversation(
     source: SpanSource, conversation_id: str, *, limit: int = CONVERSATION_LIMIT
 ) -> dict[str, Any]:
-    """Every turn of a conversation in order, each placed on the conversation's time line."""
-    spans = source.turn_spans(
-        since_ns=None, until_ns=None, limit=limit, slowest_first=False, conversation_id=conversation_id
+    """Every turn of a conversation in order, each placed on the conversation's time line.
+
+    The turns' traces are read with their turn spans in one go (:meth:`SpanSource.conversation_spans`)
+    and each trace's turn span picked here as ``turn_spans`` picks it."""
+    by_trace = group_by_trace(source.conversation_spans(conversation_id, limit=limit))
+    spans = one_per_trace(
+        [
+            s
+            for trace in by_trace.values()
+            for s in trace
+            if is_turn_span(s) and attr_str(s.attributes, names.GEN_AI_CONVERSATION_ID) == conversation_id
+        ]
     )
     if not spans:
         raise NotFound(
             f"no turns for conversation {conversation_id!r}; `otelkv slow --since 1d` lists recent "
             "conversation ids (clients without an id get a fingerprint id, shown there too)"
         )
-    turns = load_turns(source, spans, conversation_id=conversation_id)
+    turns = load_turns(source, spans, conversation_id=conversation_id, fetched=by_trace)
     turns.sort(key=lambda t: (t.index if t.index is not None else -1, t.start_ns))
     ctx = diagnosis_context(turns)
     origin = min(t.gap_start_ns for t in turns) if turns else 0
@@ -204,8 +215,8 @@ def why(source: SpanSource, ref: str) -> dict[str, Any]:
         trace_id = trace_by_prefix(source, key)
     else:
         trace_id = key
-    spans = source.trace_spans([trace_id])
-    if not spans:
+    spans = source.turn_trace_spans(trace_id)
+    if not any(s.trace_id == trace_id for s in spans):
         raise NotFound(
             f"no spans for trace {trace_id} in the store (it may have aged out or not arrived yet)"
         )

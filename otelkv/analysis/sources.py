@@ -1,6 +1,6 @@
 """Where the analysis reads spans from: a store, a ClickHouse cluster, or a list in memory.
 
-Every source answers the same six questions (:class:`SpanSource`), so ``slow``,
+Every source answers the same questions (:class:`SpanSource`), so ``slow``,
 ``conversation``, ``why``, ``tune`` and ``compare`` run unchanged on the sidecar's embedded
 store, a fleet's ClickHouse and the spans of a unit test.
 """
@@ -46,6 +46,18 @@ class SpanSource(Protocol):
     ) -> list[SpanRecord]: ...
 
     def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]: ...
+
+    def conversation_spans(self, conversation_id: str, *, limit: int) -> list[SpanRecord]:
+        """Every span of the traces of a conversation's first ``limit`` turns (the turns
+        ``turn_spans`` finds for ``conversation_id``), their turn spans included."""
+        ...
+
+    def turn_trace_spans(self, trace_id: str) -> list[SpanRecord]:
+        """Every span of one trace and, when the source can tell cheaply which turn came
+        before it in its conversation, of that turn's trace too, read together. Only a
+        guess: the turn span's own link (``otelkv.turn.previous_trace_id``) decides which
+        trace is its previous turn's (:func:`otelkv.analysis.linker.load_trace`)."""
+        ...
 
     def tool_spans(
         self,
@@ -126,6 +138,13 @@ class InMemorySource:
     def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]:
         wanted = set(trace_ids)
         return [s for s in self.spans if s.trace_id in wanted]
+
+    def conversation_spans(self, conversation_id: str, *, limit: int) -> list[SpanRecord]:
+        turns = self.turn_spans(limit=limit, slowest_first=False, conversation_id=conversation_id)
+        return self.trace_spans([s.trace_id for s in turns])
+
+    def turn_trace_spans(self, trace_id: str) -> list[SpanRecord]:
+        return self.trace_spans([trace_id])
 
     def tool_spans(
         self,
@@ -235,6 +254,12 @@ class StoreSource:
         if not trace_ids:
             return []
         return list(self._q().trace_spans(self.store, list(trace_ids)))
+
+    def conversation_spans(self, conversation_id: str, *, limit: int) -> list[SpanRecord]:
+        return list(self._q().conversation_spans(self.store, conversation_id, limit=limit))
+
+    def turn_trace_spans(self, trace_id: str) -> list[SpanRecord]:
+        return list(self._q().turn_trace_spans(self.store, trace_id))
 
     def tool_spans(
         self,

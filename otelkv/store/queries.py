@@ -85,6 +85,21 @@ def turn_spans(
         return _slowest_turn_spans(store, since_ns, until_ns, max(0, int(limit)))
     # One conversation's turns (at most ``limit``) are found in the span index, then read whole.
     index = _index_table(store) if conversation_id is not None and limit is not None else None
+    sql, params = _turn_spans_sql(store, index, since_ns, until_ns, limit, slowest_first, conversation_id)
+    return _spans_via(index, store, sql, params)
+
+
+def _turn_spans_sql(
+    store: TraceStore,
+    index: str | None,
+    since_ns: int | None,
+    until_ns: int | None,
+    limit: int | None,
+    slowest_first: bool,
+    conversation_id: str | None,
+) -> tuple[str, dict[str, Any]]:
+    """:func:`turn_spans`' one-span-per-trace query and its parameters: over the span index
+    (``index`` set; rows of :data:`INDEX_SELECT`) or over ``otel_traces`` (whole spans)."""
     if index is not None:
         table, where = index, [_INDEX_TURNS]
         columns, conversation = INDEX_SELECT, "ConversationId"
@@ -109,7 +124,27 @@ def turn_spans(
     if limit is not None:
         sql += "\nLIMIT {limit:UInt64}"
         params["limit"] = max(0, int(limit))
-    return _spans_via(index, store, sql, params)
+    return sql, params
+
+
+def conversation_spans(store: TraceStore, conversation_id: str, *, limit: int) -> list[SpanRecord]:
+    """Every span of the traces of a conversation's first ``limit`` turns, in start order
+    (what :func:`turn_spans` with ``conversation_id`` finds, with their whole traces).
+
+    With the span index the traces are found from its narrow rows and read once: the turn
+    spans come with their traces instead of being read at their exact timestamps first, a
+    read that touches the same granules of attribute maps as the traces' read does. Without
+    it the turn spans are read, then their traces."""
+    index = _index_table(store)
+    if index is None:
+        ids = [
+            s.trace_id
+            for s in turn_spans(store, limit=limit, slowest_first=False, conversation_id=conversation_id)
+        ]
+    else:
+        sql, params = _turn_spans_sql(store, index, None, None, limit, False, conversation_id)
+        ids = [str(row["TraceId"]) for row in store.query(sql, params)]
+    return trace_spans(store, ids)
 
 
 def _slowest_turn_spans(
@@ -238,6 +273,36 @@ ORDER BY Timestamp ASC, SpanId"""
     return _spans(store, sql, params)
 
 
+def turn_trace_spans(store: TraceStore, trace_id: str) -> list[SpanRecord]:
+    """Every span of ``trace_id`` and, with the span index, of the trace of the latest turn
+    of its conversation that started before it (its previous turn, as a rule), in one read.
+
+    The two traces' time ranges cost what one trace's do (a few granules of attribute maps
+    each; reading them apart doubled ``why``'s reads). The guess is found from the index's
+    narrow rows; :func:`otelkv.analysis.linker.load_trace` ignores it when the turn span
+    names another previous turn, and reads that one."""
+    ids = [trace_id]
+    index = _index_table(store)
+    if index is not None:
+        rows = store.query(
+            f"""\
+WITH (
+    SELECT (ConversationId, Timestamp) FROM {index}
+    WHERE {_INDEX_TURNS} AND TraceId = {{trace_id:String}}
+    ORDER BY ScopeName = {{sidecar_scope:String}} DESC, Timestamp ASC
+    LIMIT 1
+) AS this
+SELECT TraceId FROM {index}
+WHERE {_INDEX_TURNS} AND ConversationId = this.1 AND ConversationId != ''
+  AND Timestamp < this.2 AND TraceId != {{trace_id:String}}
+ORDER BY Timestamp DESC
+LIMIT 1""",
+            {"trace_id": trace_id, "sidecar_scope": names.SCOPE_SIDECAR},
+        )
+        ids += [str(row["TraceId"]) for row in rows]
+    return trace_spans(store, ids)
+
+
 def _in_ranges(ranges: Sequence[tuple[int, int]], params: dict[str, Any]) -> str:
     """``Timestamp`` in one of the half-open ``ranges`` (ns; at most :data:`MAX_TIME_RANGES`,
     the nearest merged), its bounds added to ``params``; ``ranges`` must not be empty."""
@@ -293,8 +358,10 @@ def tool_spans(
     without PREWHERE ClickHouse reads the attribute maps of every span before the window's
     end. Conversations are matched with ``IN``, which the attribute-value bloom filter
     index of the exporter's schema prunes by (``has`` it does not). With the span index the
-    overlap is found there (its narrow rows, no attribute map) and the spans found are then
-    read whole at their exact timestamps.
+    spans come from its narrow rows alone (no attribute map is read): each
+    :class:`SpanRecord` then holds what a turn's gap split reads of a tool span - ids, start,
+    end, scope, conversation id and the ``execute_tool`` operation - and not the tool's name
+    or its other attributes.
     """
     index = _index_table(store)
     table = _tables(store)[0] if index is None else index
@@ -325,12 +392,34 @@ def tool_spans(
     elif conversation_ids is not None:
         where.append(f"{conversation} IN {{conversation_ids:Array(String)}}")
         params["conversation_ids"] = list(conversation_ids)
-    columns = SPAN_SELECT if index is None else INDEX_SELECT
+    columns = SPAN_SELECT if index is None else f"{INDEX_SELECT}, Duration, ScopeName, ConversationId"
     sql = (
         f"SELECT {columns}\nFROM {table}\nPREWHERE {' AND '.join(overlap)}\n"
         f"WHERE {' AND '.join(where)}\nORDER BY Timestamp ASC, SpanId"
     )
-    return _spans_via(index, store, sql, params)
+    if index is None:
+        return _spans(store, sql, params)
+    return [_tool_span(row) for row in store.query(sql, params)]
+
+
+def _tool_span(row: dict[str, Any]) -> SpanRecord:
+    """A tool span as its span index row holds it (see :func:`tool_spans`)."""
+    start = int(row["StartNs"])
+    return SpanRecord(
+        trace_id=str(row["TraceId"]),
+        span_id=str(row["SpanId"]),
+        parent_span_id="",
+        name=names.OPERATION_EXECUTE_TOOL,
+        kind="",
+        start_ns=start,
+        end_ns=start + int(row["Duration"]),
+        attributes={
+            names.GEN_AI_OPERATION_NAME: names.OPERATION_EXECUTE_TOOL,
+            names.GEN_AI_CONVERSATION_ID: str(row["ConversationId"]),
+        },
+        resource={},
+        scope_name=str(row["ScopeName"]),
+    )
 
 
 def engine_requests(

@@ -217,9 +217,14 @@ def test_store_source_answers_like_memory(tmp_path: Any) -> None:
 
     # Recent timestamps: the store's TTL drops spans older than its retention on insert.
     shift = time.time_ns() - T0 - 3600 * S
+    # A conversation whose turn 2 goes on from turn 0, not from turn 1 (the agent resumed an
+    # earlier state): the latest earlier turn is not always the previous one.
+    f0 = turn_trace("conv-fork", 0, start_s=300.0)
+    f1 = turn_trace("conv-fork", 1, start_s=302.0, gap_s=0.5, prev_trace=f0[0].trace_id)
+    f2 = turn_trace("conv-fork", 2, start_s=304.0, gap_s=0.5, prev_trace=f0[0].trace_id)
     spans = [
         dataclasses.replace(sp, start_ns=sp.start_ns + shift, end_ns=sp.end_ns + shift)
-        for sp in lapse_conversation() + quick_conversation()
+        for sp in lapse_conversation() + quick_conversation() + f0 + f1 + f2
     ]
     # The agent's own client span in each turn's trace (as the reference driver sends it):
     # a second turn span in the trace, which must not make a second turn.
@@ -242,14 +247,18 @@ def test_store_source_answers_like_memory(tmp_path: Any) -> None:
         assert store.insert_spans(spans) == len(spans)
         disk, memory = StoreSource(store), InMemorySource(spans)
         assert len(slow(disk, limit=50)["turns"]) == len(agents)
-        for fn in (
-            lambda src: slow(src, limit=5),
-            lambda src: conversation(src, "conv-lapse"),
-            lambda src: why(src, "conv-lapse#1"),
-        ):
-            assert json.loads(json.dumps(fn(disk), default=str)) == json.loads(
-                json.dumps(fn(memory), default=str)
-            )
+        answers = [lambda src: slow(src, limit=5)]
+        for conv, turns in (("conv-lapse", 3), ("conv-quick", 2), ("conv-fork", 3)):
+            answers.append(lambda src, conv=conv: conversation(src, conv))
+            answers += [lambda src, ref=f"{conv}#{i}": why(src, ref) for i in range(turns)]
+        for fn in answers:
+            # Through the span index (the previous turn read beside the turn), and without it.
+            for store.span_index in (True, False):
+                assert json.loads(json.dumps(fn(disk), default=str)) == json.loads(
+                    json.dumps(fn(memory), default=str)
+                )
+        store.span_index = True
+        assert why(disk, "conv-fork#2")["turn"]["previous_trace_id"] == f0[0].trace_id
     finally:
         store.close()
 
