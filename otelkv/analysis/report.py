@@ -82,7 +82,8 @@ def slow(
 ) -> dict[str, Any]:
     """The slowest counted turns of the window (:func:`otelkv.analysis.scope.counted`), each
     with its phase split and diagnoses."""
-    turns = load_turns(source, _slowest_counted(source, since_ns, until_ns, limit))
+    spans, traces = _slowest_counted(source, since_ns, until_ns, limit)
+    turns = load_turns(source, spans, fetched=traces)
     ctx = diagnosis_context(turns)
     turns.sort(key=lambda t: (-t.total_s, t.start_ns))
     return turn_json.document(
@@ -96,15 +97,16 @@ def slow(
 
 def _slowest_counted(
     source: SpanSource, since_ns: int | None, until_ns: int | None, limit: int
-) -> list[SpanRecord]:
-    """The ``limit`` slowest turn spans of counted conversations: asks again for as many more
-    as were left out, so left-out turns never shorten the list (there are few of them)."""
+) -> tuple[list[SpanRecord], dict[str, list[SpanRecord]]]:
+    """The ``limit`` slowest turn spans of counted conversations, and the traces the source
+    read with them: asks again for as many more as were left out, so left-out turns never
+    shorten the list (there are few of them)."""
     ask = limit
     while True:
-        spans = source.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=ask, slowest_first=True)
+        spans, traces = source.slowest_turns(since_ns=since_ns, until_ns=until_ns, limit=ask)
         kept = scope.counted_spans(spans)
         if len(kept) >= limit or len(spans) < ask:
-            return kept[:limit]
+            return kept[:limit], traces
         ask += len(spans) - len(kept)
 
 

@@ -47,6 +47,14 @@ class SpanSource(Protocol):
 
     def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]: ...
 
+    def slowest_turns(
+        self, *, since_ns: int | None, until_ns: int | None, limit: int
+    ) -> tuple[list[SpanRecord], dict[str, list[SpanRecord]]]:
+        """``turn_spans``' ``limit`` slowest turn spans of the window, and the traces the
+        source read with them (trace id -> spans: theirs and, as far as it could guess them,
+        their previous turns'; empty when it read none)."""
+        ...
+
     def conversation_spans(self, conversation_id: str, *, limit: int) -> list[SpanRecord]:
         """Every span of the traces of a conversation's first ``limit`` turns (the turns
         ``turn_spans`` finds for ``conversation_id``), their turn spans included."""
@@ -138,6 +146,11 @@ class InMemorySource:
     def trace_spans(self, trace_ids: Sequence[str]) -> list[SpanRecord]:
         wanted = set(trace_ids)
         return [s for s in self.spans if s.trace_id in wanted]
+
+    def slowest_turns(
+        self, *, since_ns: int | None, until_ns: int | None, limit: int
+    ) -> tuple[list[SpanRecord], dict[str, list[SpanRecord]]]:
+        return self.turn_spans(since_ns=since_ns, until_ns=until_ns, limit=limit), {}
 
     def conversation_spans(self, conversation_id: str, *, limit: int) -> list[SpanRecord]:
         turns = self.turn_spans(limit=limit, slowest_first=False, conversation_id=conversation_id)
@@ -254,6 +267,12 @@ class StoreSource:
         if not trace_ids:
             return []
         return list(self._q().trace_spans(self.store, list(trace_ids)))
+
+    def slowest_turns(
+        self, *, since_ns: int | None, until_ns: int | None, limit: int
+    ) -> tuple[list[SpanRecord], dict[str, list[SpanRecord]]]:
+        turns, traces = self._q().slowest_turns(self.store, since_ns=since_ns, until_ns=until_ns, limit=limit)
+        return list(turns), dict(traces)
 
     def conversation_spans(self, conversation_id: str, *, limit: int) -> list[SpanRecord]:
         return list(self._q().conversation_spans(self.store, conversation_id, limit=limit))

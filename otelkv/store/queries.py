@@ -166,14 +166,24 @@ def _slowest_turn_spans(
     exact timestamps; without it (a fleet's ClickHouse where nobody created it) they read
     ``otel_traces``, ranking by the latency in each turn span's attribute map.
     """
+    found, index = _slowest_turn_rows(store, since_ns, until_ns, limit)
+    return [row_to_span(r) for r in (found if index is None else _whole_spans(store, found))]
+
+
+def _slowest_turn_rows(
+    store: TraceStore, since_ns: int | None, until_ns: int | None, limit: int
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The picked rows of :func:`_slowest_turn_spans`, slowest first, and the span index they
+    came from: its rows (:data:`INDEX_SELECT`, scope, conversation, latency) or, when None,
+    whole ``otel_traces`` rows."""
     if limit == 0:
-        return []
+        return [], None
     table, _ = _tables(store)
     index = _index_table(store)
     params: dict[str, Any] = {}
     if index is not None:
         where, source, latency = [_INDEX_TURNS], index, "Latency"
-        whole_cols = f"{INDEX_SELECT}, ScopeName"
+        whole_cols = f"{INDEX_SELECT}, ScopeName, ConversationId"
     else:
         where, source, latency = [span_sql.TURN_SPANS], table, span_sql.TURN_LATENCY_S
         whole_cols = SPAN_SELECT
@@ -200,9 +210,72 @@ def _slowest_turn_spans(
         found = [r for r in picked.values() if whole or _row_key(r) in ranked]
         if whole or len(found) >= limit:
             found.sort(key=lambda r: (-float(r["Latency"]), int(r["StartNs"])))
-            found = found[:limit]
-            return [row_to_span(r) for r in (found if index is None else _whole_spans(store, found))]
+            return found[:limit], index
         ask *= 4
+
+
+def slowest_turns(
+    store: TraceStore, *, since_ns: int | None, until_ns: int | None, limit: int
+) -> tuple[list[SpanRecord], dict[str, list[SpanRecord]]]:
+    """:func:`turn_spans`' ``limit`` slowest turn spans of the window, and the traces read
+    with them (trace id -> spans, in start order).
+
+    With the span index the turns are ranked there and their spans come with their traces
+    and their previous turns' traces (guessed, :func:`_previous_guesses`) in one read; the
+    turn spans are not read on their own first, a read of the same granules of attribute
+    maps. Without it the turn spans are read whole and no trace (the caller reads them)."""
+    found, index = _slowest_turn_rows(store, since_ns, until_ns, max(0, int(limit)))
+    if index is None:
+        return [row_to_span(r) for r in found], {}
+    turns = [(str(r["TraceId"]), str(r["ConversationId"]), int(r["StartNs"])) for r in found]
+    ids = [t for t, _, _ in turns] + _previous_guesses(store, index, turns)
+    by_trace: dict[str, list[SpanRecord]] = {}
+    by_key: dict[tuple[str, str, int], SpanRecord] = {}
+    for span in trace_spans(store, ids):
+        by_trace.setdefault(span.trace_id, []).append(span)
+        by_key[(span.trace_id, span.span_id, span.start_ns)] = span
+    # A turn whose span is gone (retention dropped it between the reads) is left out.
+    return [by_key[k] for k in map(_row_key, found) if k in by_key], by_trace
+
+
+PREVIOUS_LOOKBACK_S = 3600.0
+"""How long before a turn :func:`_previous_guesses` looks for the turn before it."""
+
+
+def _previous_guesses(store: TraceStore, index: str, turns: Sequence[tuple[str, str, int]]) -> list[str]:
+    """For turns given as (trace id, conversation id, start ns): the trace of the latest
+    other turn of the same conversation that started before each (at most
+    :data:`PREVIOUS_LOOKBACK_S` before), from the span index's narrow rows, so that a
+    turn's trace and its previous turn's are read together. A guess, made before the turn
+    span is read: its own ``otelkv.turn.previous_trace_id`` decides (a conversation resumed
+    from an earlier turn links there), and the linker reads the right trace when the guess
+    is wrong. Turns without a conversation id or an earlier turn get none."""
+    known = [(t, c, s) for t, c, s in turns if c]
+    if not known:
+        return []
+    rows = store.query(
+        f"SELECT TraceId, ConversationId, toUnixTimestamp64Nano(min(Timestamp)) AS StartNs\n"
+        f"FROM {index}\nWHERE {_INDEX_TURNS} AND ConversationId IN {{conversation_ids:Array(String)}}\n"
+        "  AND Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})\n"
+        "  AND Timestamp < fromUnixTimestamp64Nano({until_ns:Int64})\n"
+        "GROUP BY TraceId, ConversationId",
+        {
+            "conversation_ids": sorted({c for _, c, _ in known}),
+            "since_ns": min(s for _, _, s in known) - int(PREVIOUS_LOOKBACK_S * 1e9),
+            "until_ns": max(s for _, _, s in known),
+        },
+    )
+    by_conversation: dict[str, list[tuple[int, str]]] = {}
+    for row in rows:
+        by_conversation.setdefault(str(row["ConversationId"]), []).append(
+            (int(row["StartNs"]), str(row["TraceId"]))
+        )
+    guesses = []
+    for trace_id, conversation_id, start in known:
+        earlier = [c for c in by_conversation.get(conversation_id, []) if c[0] < start and c[1] != trace_id]
+        if earlier:
+            guesses.append(max(earlier)[1])
+    return guesses
 
 
 def _whole_spans(store: TraceStore, found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -274,32 +347,20 @@ ORDER BY Timestamp ASC, SpanId"""
 
 
 def turn_trace_spans(store: TraceStore, trace_id: str) -> list[SpanRecord]:
-    """Every span of ``trace_id`` and, with the span index, of the trace of the latest turn
-    of its conversation that started before it (its previous turn, as a rule), in one read.
-
-    The two traces' time ranges cost what one trace's do (a few granules of attribute maps
-    each; reading them apart doubled ``why``'s reads). The guess is found from the index's
-    narrow rows; :func:`otelkv.analysis.linker.load_trace` ignores it when the turn span
-    names another previous turn, and reads that one."""
+    """Every span of ``trace_id`` and, with the span index, of its previous turn's trace as
+    guessed there (:func:`_previous_guesses`), in one read: two traces' time ranges cost
+    what one trace's do (a few granules of attribute maps each)."""
     ids = [trace_id]
     index = _index_table(store)
     if index is not None:
         rows = store.query(
-            f"""\
-WITH (
-    SELECT (ConversationId, Timestamp) FROM {index}
-    WHERE {_INDEX_TURNS} AND TraceId = {{trace_id:String}}
-    ORDER BY ScopeName = {{sidecar_scope:String}} DESC, Timestamp ASC
-    LIMIT 1
-) AS this
-SELECT TraceId FROM {index}
-WHERE {_INDEX_TURNS} AND ConversationId = this.1 AND ConversationId != ''
-  AND Timestamp < this.2 AND TraceId != {{trace_id:String}}
-ORDER BY Timestamp DESC
-LIMIT 1""",
+            f"SELECT ConversationId, toUnixTimestamp64Nano(Timestamp) AS StartNs\nFROM {index}\n"
+            f"WHERE {_INDEX_TURNS} AND TraceId = {{trace_id:String}}\n"
+            "ORDER BY ScopeName = {sidecar_scope:String} DESC, Timestamp ASC\nLIMIT 1",
             {"trace_id": trace_id, "sidecar_scope": names.SCOPE_SIDECAR},
         )
-        ids += [str(row["TraceId"]) for row in rows]
+        turns = [(trace_id, str(r["ConversationId"]), int(r["StartNs"])) for r in rows]
+        ids += _previous_guesses(store, index, turns)
     return trace_spans(store, ids)
 
 

@@ -247,7 +247,7 @@ def test_store_source_answers_like_memory(tmp_path: Any) -> None:
         assert store.insert_spans(spans) == len(spans)
         disk, memory = StoreSource(store), InMemorySource(spans)
         assert len(slow(disk, limit=50)["turns"]) == len(agents)
-        answers = [lambda src: slow(src, limit=5)]
+        answers = [lambda src: slow(src, limit=5), lambda src: slow(src, limit=20)]
         for conv, turns in (("conv-lapse", 3), ("conv-quick", 2), ("conv-fork", 3)):
             answers.append(lambda src, conv=conv: conversation(src, conv))
             answers += [lambda src, ref=f"{conv}#{i}": why(src, ref) for i in range(turns)]

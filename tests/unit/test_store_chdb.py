@@ -550,6 +550,11 @@ def test_slowest_turn_spans_equal_the_whole_ranking(store: ChdbStore) -> None:
             for store.span_index in (True, False):
                 got = queries.turn_spans(store, since_ns=since, until_ns=until, limit=limit)
                 assert got == whole[:limit], store.span_index
+                # The same turns with their traces, read together through the index.
+                turns, traces = queries.slowest_turns(store, since_ns=since, until_ns=until, limit=limit)
+                assert turns == whole[:limit], store.span_index
+                wanted = {s.trace_id for s in turns} if store.span_index else set()
+                assert wanted <= set(traces) and all(s in traces[s.trace_id] for s in turns if wanted)
     for conv in ("c0", "c5", "c16", "nobody"):  # one conversation's turns, in time order
         for limit in (1, 3, 100):
             answers, traces = [], []
