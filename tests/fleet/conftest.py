@@ -21,13 +21,20 @@ LOG_TAIL_LINES = 40
 """Lines of each engine's log a failed test's report carries."""
 
 
+FLEET = pytest.StashKey[Fleet]()
+"""The module's fleet, on its module node: a test that fails before its ``fleet`` argument
+is set up (in a fixture that uses the fleet) still reports the fleet's logs."""
+FAILED = pytest.StashKey[bool]()
+
+
 def fleet_fixture(config: FleetConfig, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """Start a fleet for the requesting (module-scoped) fixture, stop it after the module."""
     fleet = Fleet(config).start()
+    request.node.stash[FLEET] = fleet
     try:
         yield fleet
     finally:
-        failed = getattr(request.node, "_otelkv_failed", False)
-        if failed:
+        if request.node.stash.get(FAILED, False):
             print(f"\nfleet logs kept in {fleet.workdir}")
         fleet.stop()
 
@@ -36,11 +43,11 @@ def fleet_fixture(config: FleetConfig, request: pytest.FixtureRequest) -> Iterat
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
     report = outcome.get_result()
-    if report.failed:
-        # Remember on the module so the module-scoped fleet can say where its logs are.
-        item.module._otelkv_failed = True  # type: ignore[attr-defined]
-        fleet = getattr(item, "funcargs", {}).get("fleet")
-        if isinstance(fleet, Fleet):
+    module = item.getparent(pytest.Module)
+    if report.failed and module is not None:
+        module.stash[FAILED] = True
+        fleet = module.stash.get(FLEET, None)
+        if fleet is not None:
             report.sections.append(("fleet engine logs, last lines", engine_log_tails(fleet)))
 
 
