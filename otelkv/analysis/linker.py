@@ -5,7 +5,8 @@ previous turn's trace (whose decode retention says whether the KV this turn coul
 still held), and the agent's tool spans in the gap before it (in the agent's own traces).
 Every verb gets its turns here, in a handful of queries whatever the number of turns
 (a store may hold a million): the turn spans, then all their traces and their previous
-turns' traces in one ``trace_spans`` call, then the window's tool spans in one call.
+turns' traces in one ``trace_spans`` call (or fewer: a source may hand in traces it read
+with the turn spans), then the window's tool spans in one call.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def load_turns(
     wanted = [s.trace_id for s in turn_spans]
     prev_ids = [attr_str(s.attributes, names.TURN_PREVIOUS_TRACE_ID) for s in turn_spans]
     ids = list(dict.fromkeys(wanted + [p for p in prev_ids if p]))
-    by_trace = {tid: list(spans) for tid, spans in (fetched or {}).items() if tid in ids}
+    needed = set(ids)
+    by_trace = {tid: list(spans) for tid, spans in (fetched or {}).items() if tid in needed}
     missing = [tid for tid in ids if tid not in by_trace]
     if missing:
         by_trace.update(group_by_trace(source.trace_spans(missing)))

@@ -253,17 +253,15 @@ def _previous_guesses(store: TraceStore, index: str, turns: Sequence[tuple[str, 
     known = [(t, c, s) for t, c, s in turns if c]
     if not known:
         return []
+    lookback = int(PREVIOUS_LOOKBACK_S * 1e9)
+    params: dict[str, Any] = {"conversation_ids": sorted({c for _, c, _ in known})}
+    # Each turn's own hour: two turns of a long conversation days apart read two hours of it.
+    windows = _in_ranges([(s - lookback, s) for _, _, s in known], params)
     rows = store.query(
         f"SELECT TraceId, ConversationId, toUnixTimestamp64Nano(min(Timestamp)) AS StartNs\n"
         f"FROM {index}\nWHERE {_INDEX_TURNS} AND ConversationId IN {{conversation_ids:Array(String)}}\n"
-        "  AND Timestamp >= fromUnixTimestamp64Nano({since_ns:Int64})\n"
-        "  AND Timestamp < fromUnixTimestamp64Nano({until_ns:Int64})\n"
-        "GROUP BY TraceId, ConversationId",
-        {
-            "conversation_ids": sorted({c for _, c, _ in known}),
-            "since_ns": min(s for _, _, s in known) - int(PREVIOUS_LOOKBACK_S * 1e9),
-            "until_ns": max(s for _, _, s in known),
-        },
+        f"  AND {windows}\nGROUP BY TraceId, ConversationId",
+        params,
     )
     by_conversation: dict[str, list[tuple[int, str]]] = {}
     for row in rows:
@@ -272,7 +270,11 @@ def _previous_guesses(store: TraceStore, index: str, turns: Sequence[tuple[str, 
         )
     guesses = []
     for trace_id, conversation_id, start in known:
-        earlier = [c for c in by_conversation.get(conversation_id, []) if c[0] < start and c[1] != trace_id]
+        earlier = [
+            c
+            for c in by_conversation.get(conversation_id, [])
+            if start - lookback <= c[0] < start and c[1] != trace_id
+        ]
         if earlier:
             guesses.append(max(earlier)[1])
     return guesses
@@ -407,7 +409,7 @@ def tool_spans(
     conversation_ids: Sequence[str] | None = None,
     windows: Sequence[tuple[int, int]] | None = None,
 ) -> list[SpanRecord]:
-    """``execute_tool {name}`` spans overlapping ``[since_ns, until_ns]``, in start order;
+    """Tool spans (``execute_tool {name}``) overlapping ``[since_ns, until_ns]``, in start order;
     with ``windows``, only those overlapping one of these ``[lo, hi]`` too (at most
     :data:`MAX_TIME_RANGES` are queried, the nearest merged: never fewer spans).
 

@@ -12,8 +12,9 @@ measured compute (kind, time, duration, ids, conversation, and a number: a turn'
 a tool's duration, a request's seconds per computed token). It is an index, not a copy:
 ranking a million turns by latency, finding the tool spans in a few gaps, or the fastest
 prefill rate of an hour reads its narrow columns instead of the attribute map of every
-span, and the spans themselves are then read from ``otel_traces`` at their exact
-timestamps. A store opened without it (a reader of a fleet's ClickHouse where nobody
+span; the traces of the turns found are then read from ``otel_traces`` (tool spans are
+taken from the index rows alone: their times and conversation are all a turn's gap split
+reads). A store opened without it (a reader of a fleet's ClickHouse where nobody
 created it) is queried without it. One view fills all three kinds: each view on
 ``otel_traces`` writes a part of its own on every insert, which cost the embedded store
 more CPU per insert than the rows did (``bench/store_views.py``).

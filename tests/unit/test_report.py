@@ -222,9 +222,25 @@ def test_store_source_answers_like_memory(tmp_path: Any) -> None:
     f0 = turn_trace("conv-fork", 0, start_s=300.0)
     f1 = turn_trace("conv-fork", 1, start_s=302.0, gap_s=0.5, prev_trace=f0[0].trace_id)
     f2 = turn_trace("conv-fork", 2, start_s=304.0, gap_s=0.5, prev_trace=f0[0].trace_id)
+
+    def tool(span_id: str, start_s: float, end_s: float, conv: str | None) -> SpanRecord:
+        attrs = {names.GEN_AI_OPERATION_NAME: "execute_tool"}
+        if conv is not None:
+            attrs[names.GEN_AI_CONVERSATION_ID] = conv
+        start, end = T0 + int(start_s * S), T0 + int(end_s * S)
+        return SpanRecord("e" * 32, span_id, "", "execute_tool deploy", "Internal", start, end, attrs, {})
+
+    # Tool spans in conv-lapse's 20 s gap before turn 1 (one across the gap's start), one of
+    # another conversation and one without a conversation id in the same gap.
+    tools = [
+        tool("00000000000000f1", 99.0, 104.0, "conv-lapse"),
+        tool("00000000000000f2", 110.0, 113.0, "conv-lapse"),
+        tool("00000000000000f3", 105.0, 118.0, "conv-quick"),
+        tool("00000000000000f4", 106.0, 119.0, None),
+    ]
     spans = [
         dataclasses.replace(sp, start_ns=sp.start_ns + shift, end_ns=sp.end_ns + shift)
-        for sp in lapse_conversation() + quick_conversation() + f0 + f1 + f2
+        for sp in lapse_conversation() + quick_conversation() + f0 + f1 + f2 + tools
     ]
     # The agent's own client span in each turn's trace (as the reference driver sends it):
     # a second turn span in the trace, which must not make a second turn.
@@ -259,6 +275,8 @@ def test_store_source_answers_like_memory(tmp_path: Any) -> None:
                 )
         store.span_index = True
         assert why(disk, "conv-fork#2")["turn"]["previous_trace_id"] == f0[0].trace_id
+        # The gap before conv-lapse#1 (101 s to 121 s) held conv-lapse's tools for 3 + 3 s.
+        assert why(disk, "conv-lapse#1")["turn"]["phases"]["tool_wait_s"] == pytest.approx(6.0)
     finally:
         store.close()
 

@@ -600,3 +600,35 @@ def test_a_store_from_before_the_span_index_is_indexed_when_opened(tmp_path: Pat
         assert again.query("SELECT count() AS n FROM otel.otelkv_span_index")[0]["n"] == 6
     finally:
         again.close()
+
+
+def test_a_turn_is_read_with_the_turn_before_it_in_the_hour_before(store: ChdbStore) -> None:
+    """why's and slow's reads take the latest earlier turn of the conversation in the hour
+    before a turn along with it (a guess the linker checks); none beyond the hour, none
+    without a conversation id."""
+    hour = 3600 * SEC
+    turns = [
+        turn("g", 0, NOW - 3 * hour, 1.0, 1.0, "g0"),
+        turn("g", 1, NOW - 3 * hour + 10 * SEC, 1.0, 9.0, "g1"),
+        turn("g", 2, NOW - hour, 1.0, 8.0, "g2"),  # two hours after g1
+        turn("", 0, NOW - hour + 5 * SEC, 1.0, 7.0, "n0"),
+        turn("", 1, NOW - hour + 9 * SEC, 1.0, 1.0, "n1"),
+    ]
+    store.insert_spans(turns)
+    ids = {s.trace_id[:2]: s.trace_id for s in turns}
+
+    def traces(spans: list[SpanRecord]) -> set[str]:
+        return {s.trace_id for s in spans}
+
+    assert traces(queries.turn_trace_spans(store, ids["g1"])) == {ids["g1"], ids["g0"]}
+    assert traces(queries.turn_trace_spans(store, ids["g2"])) == {ids["g2"]}
+    assert traces(queries.turn_trace_spans(store, ids["n1"])) == {ids["n1"]}
+    slowest, read = queries.slowest_turns(store, since_ns=None, until_ns=None, limit=3)
+    assert [s.trace_id for s in slowest] == [ids["g1"], ids["g2"], ids["n0"]]
+    assert set(read) == {ids["g1"], ids["g0"], ids["g2"], ids["n0"]}
+    store.span_index = False  # as on a ClickHouse without the index: the trace alone
+    try:
+        assert traces(queries.turn_trace_spans(store, ids["g1"])) == {ids["g1"]}
+        assert queries.slowest_turns(store, since_ns=None, until_ns=None, limit=3) == (slowest, {})
+    finally:
+        store.span_index = True
