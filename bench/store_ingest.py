@@ -24,7 +24,8 @@ numbers()`` inside ClickHouse, spread over the two days before now. Then, per co
 median of ``--repeats`` runs of the in-process path (everything after argument parsing
 and store open: queries, turn reconstruction, diagnoses, the terminal table), the store
 open, Python start-up with the command's imports, and the whole ``otelkv`` command line run
-as a process (``--store DIR``), so the reader sees the CLI's wall time and where it goes.
+as a process (``--store DIR``), so the reader sees the CLI's wall time and where it goes;
+and, for one more in-process run of each command, every store query it made and its time.
 In-process runs use no query condition cache (a CLI process starts without one).
 
 Last run (2-core machine shared with other jobs' benchmarks, load average 3-6):
@@ -363,6 +364,7 @@ def bench_commands(path: Path, turns: int, repeats: int) -> tuple[float, int, li
         ),
     ]
     in_process = [(label, argv, *median_s(fn, repeats)) for label, argv, fn in commands]
+    breakdown = [(label, query_times(store, fn)) for label, _, fn in commands]
     store.close()
     open_s, _ = median_s(lambda: ChdbStore(path).close(), repeats)
     startup_s = process_s([sys.executable, "-c", IMPORTS], repeats)
@@ -379,7 +381,35 @@ def bench_commands(path: Path, turns: int, repeats: int) -> tuple[float, int, li
                 str(lines),
             )
         )
-    return gen_s, n_spans, rows
+    return gen_s, n_spans, rows, breakdown
+
+
+def query_times(store: ChdbStore, fn: Callable[[], Any]) -> list[tuple[float, str]]:
+    """One more run of ``fn``, each of its store queries timed: (ms, what it read)."""
+    timed: list[tuple[float, str]] = []
+    query = store.query
+
+    def timed_query(sql: str, params: Any = None) -> Any:
+        started = time.perf_counter()
+        try:
+            return query(sql, params)
+        finally:
+            timed.append(((time.perf_counter() - started) * 1000, query_label(sql)))
+
+    store.query = timed_query  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        del store.query  # the bound method again
+    return timed
+
+
+def query_label(sql: str) -> str:
+    """A short name for a query: the tables it reads and the start of its condition."""
+    words = " ".join(sql.split())
+    tables = sorted({after.split(" ")[0].split(".")[-1].strip("`()") for after in words.split("FROM ")[1:]})
+    where = words.split(" WHERE ", 1)[1] if " WHERE " in words else ""
+    return f"{', '.join(tables)}: {where[:70]}"
 
 
 def main() -> None:
@@ -406,13 +436,18 @@ def main() -> None:
             print(f"  {'':>6}  process CPU seconds per wall second: {busy}")
     if args.turns:
         with tempfile.TemporaryDirectory() as tmp:
-            gen_s, n_spans, rows = bench_commands(Path(tmp) / "store", args.turns, args.repeats)
+            gen_s, n_spans, rows, breakdown = bench_commands(Path(tmp) / "store", args.turns, args.repeats)
         print(f"\nqueries: {args.turns:,} turns = {n_spans:,} spans (generated in SQL in {gen_s:.1f} s)")
         print("  median ms: in process (queries + analysis + table) | store open | start-up + imports | CLI")
         print(f"  {'command':<40}{'in proc':>8}{'open':>6}{'start':>7}{'CLI':>7}{'lines':>7}")
         for label, *cells in rows:
             widths = (8, 6, 7, 7, 7)
             print(f"  {label:<40}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+        print("\n  where the in-process time goes: each query of one more run, ms, tables read: condition")
+        for label, timed in breakdown:
+            print(f"  {label} ({sum(ms for ms, _ in timed):.0f} ms in {len(timed)} queries)")
+            for ms, what in timed:
+                print(f"    {ms:7.1f}  {what}")
 
 
 if __name__ == "__main__":
