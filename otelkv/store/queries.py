@@ -79,10 +79,10 @@ def turn_spans(
 
     Slowest first by ``otelkv.turn.total_s`` (the span's duration when that is absent or 0);
     with ``conversation_id``, that conversation's turns in time order instead. ``limit=None``
-    returns all.
+    returns all. The slowest ``limit`` are those of :func:`slowest_turns` (one ranking).
     """
     if conversation_id is None and slowest_first and limit is not None:
-        return _slowest_turn_spans(store, since_ns, until_ns, max(0, int(limit)))
+        return slowest_turns(store, since_ns=since_ns, until_ns=until_ns, limit=limit)[0]
     # One conversation's turns (at most ``limit``) are found in the span index, then read whole.
     index = _index_table(store) if conversation_id is not None and limit is not None else None
     sql, params = _turn_spans_sql(store, index, since_ns, until_ns, limit, slowest_first, conversation_id)
@@ -147,10 +147,10 @@ def conversation_spans(store: TraceStore, conversation_id: str, *, limit: int) -
     return trace_spans(store, ids)
 
 
-def _slowest_turn_spans(
+def _slowest_turn_rows(
     store: TraceStore, since_ns: int | None, until_ns: int | None, limit: int
-) -> list[SpanRecord]:
-    """:func:`turn_spans` slowest first, ``limit`` of them, read in steps.
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows of :func:`turn_spans`' ``limit`` slowest turn spans, slowest first, found in steps.
 
     Picking one span per trace before ordering (``LIMIT 1 BY TraceId`` over every turn span
     of the window) sorts every turn span of the window as whole rows, attribute maps and
@@ -162,20 +162,11 @@ def _slowest_turn_spans(
     ``ask`` turn spans was read whole.
 
     With the span index (:data:`otelkv.store.schema.INDEX_TABLE`) both steps read its
-    narrow columns, and the picked spans are then read whole from ``otel_traces`` at their
-    exact timestamps; without it (a fleet's ClickHouse where nobody created it) they read
-    ``otel_traces``, ranking by the latency in each turn span's attribute map.
+    narrow columns, and the rows are its rows (:data:`INDEX_SELECT`, scope, conversation,
+    latency); without it (a fleet's ClickHouse where nobody created it) they read
+    ``otel_traces``, ranking by the latency in each turn span's attribute map, and the rows
+    are whole spans. Returns the rows and the index they came from (None: none).
     """
-    found, index = _slowest_turn_rows(store, since_ns, until_ns, limit)
-    return [row_to_span(r) for r in (found if index is None else _whole_spans(store, found))]
-
-
-def _slowest_turn_rows(
-    store: TraceStore, since_ns: int | None, until_ns: int | None, limit: int
-) -> tuple[list[dict[str, Any]], str | None]:
-    """The picked rows of :func:`_slowest_turn_spans`, slowest first, and the span index they
-    came from: its rows (:data:`INDEX_SELECT`, scope, conversation, latency) or, when None,
-    whole ``otel_traces`` rows."""
     if limit == 0:
         return [], None
     table, _ = _tables(store)
