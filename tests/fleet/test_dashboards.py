@@ -125,12 +125,15 @@ expired retention ends (span, counter, gauge) only once decode runs again."""
 TAIL_AGAIN = Conversation("dash-tail-again", [Turn("and one after the second lapse", 16)])
 LAPSES = (LAPSE.conversation_id, LAPSE_AGAIN.conversation_id)
 DECODE_SLOTS = 2
-BURST = [Conversation(f"dash-burst-{i}", [Turn("write the long weekly build report", 512)]) for i in range(6)]
-"""Six long answers at once on a decode node with two slots: four wait a whole answer
-(2-3 s here) and two of them two, so ``vllm:num_requests_waiting`` is above 0 for several 1 s
-scrapes even when the prefill node hands them over one by one. Without it nothing on a quiet
-fleet waits long enough for a scrape to see it (five 384-token answers once left no scrape
-seeing a wait on an idle machine)."""
+BURST = [
+    Conversation(f"dash-burst-{i}", [Turn("write the long weekly build report", 512)]) for i in range(10)
+]
+"""Ten long answers at once on a decode node with two slots: eight wait at least a whole
+answer (2-3 s here) and two of them four, so ``vllm:num_requests_waiting`` is above 0 for
+several 1 s scrapes even when the prefill node hands them over one by one. Without it
+nothing on a quiet fleet waits long enough for a scrape to see it (five 384-token answers
+once left no scrape seeing a wait on an idle machine, and six 512-token answers did once
+in a fresh-clone run)."""
 
 ALLOWED_ZERO = {
     "sum(rate(otelkv_sidecar_upstream_errors_total{}[$__rate_interval]))": "the router never went away",
