@@ -8,6 +8,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pytest
+
 from otelkv.spans import SpanRecord
 from otelkv.store.writer import DROP_QUEUE_FULL, DROP_STORE_ERROR, BatchWriter
 
@@ -58,7 +60,7 @@ class FakeStore:
 
 def test_batches_and_close_flushes() -> None:
     store = FakeStore()
-    writer = BatchWriter(store, batch_spans=4, flush_interval_s=10.0)
+    writer = BatchWriter(store, batch_spans=4, max_batch_spans=4, flush_interval_s=10.0)
     assert writer.submit(spans(3)) and writer.submit(spans(6)) and writer.submit([])
     assert writer.close(timeout=5)
     assert sum(store.batches) == 9 and max(store.batches) <= 4
@@ -94,7 +96,7 @@ def test_full_queue_drops_new_spans_and_counts() -> None:
 def test_the_next_batch_is_encoded_while_one_is_inserted_and_order_holds() -> None:
     gate = threading.Event()
     store = FakeStore(gate=gate)
-    writer = BatchWriter(store, batch_spans=4, flush_interval_s=0.01)
+    writer = BatchWriter(store, batch_spans=4, max_batch_spans=4, flush_interval_s=0.01)
     sent = spans(12)
     writer.submit(sent[:4])
     assert store.entered.wait(5)  # the first batch is stuck in the store
@@ -102,13 +104,38 @@ def test_the_next_batch_is_encoded_while_one_is_inserted_and_order_holds() -> No
     deadline = time.monotonic() + 5
     while len(store.encoded) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert store.encoded[:2] == [4, 4] and store.batches == []  # encoded meanwhile, none inserted
+    time.sleep(0.05)  # time to take a third batch, which it must not: one waits, one is in the store
+    assert store.encoded == [4, 4] and store.batches == []  # encoded meanwhile, none inserted
     assert writer.stats()["queued"] == 12  # taken or not, nothing is written yet
     gate.set()
     assert writer.flush(timeout=5)
     assert store.inserted_ids == [s.span_id for s in sent]
     assert writer.stats()["written"] == 12 and writer.stats()["batches"] == 3
     writer.close()
+
+
+def test_a_backlog_goes_in_larger_batches_up_to_the_cap() -> None:
+    """While the store holds one batch, what queues behind it is taken whole (up to
+    ``max_batch_spans``) once the inserter is free to take the next: fewer, larger inserts."""
+    gate = threading.Event()
+    store = FakeStore(gate=gate)
+    writer = BatchWriter(store, batch_spans=4, max_batch_spans=10, flush_interval_s=0.01)
+    sent = spans(4 + 25)
+    writer.submit(sent[:4])
+    assert store.entered.wait(5)  # the first batch is stuck in the store
+    for i in range(4, len(sent), 5):  # the backlog arrives in small submissions
+        writer.submit(sent[i : i + 5])
+    gate.set()
+    assert writer.flush(timeout=5)
+    assert store.batches[0] == 4 and max(store.batches) == 10 and sum(store.batches) == 29
+    assert len(store.batches) <= 1 + 4  # not one insert per submission
+    assert store.inserted_ids == [s.span_id for s in sent]
+    writer.close()
+
+
+def test_max_batch_spans_below_batch_spans_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch_spans"):
+        BatchWriter(FakeStore(), batch_spans=10, max_batch_spans=5)
 
 
 def test_store_errors_are_counted_and_writer_goes_on(caplog: Any) -> None:
