@@ -12,7 +12,8 @@ last byte, the client when its kernel received it) differs by up to a scheduling
 STEP_S = 0.005
 """``CLOCK_REALTIME`` may also be stepped while a test sleeps (a VM's time sync): a CI run
 measured an 0.8 s ``asyncio.sleep`` as 0.79698 s between the two ends of the span around it,
-3 ms short, which no slew explains (asyncio rounds its waits up, on the monotonic clock)."""
+3 ms short. The span opens before the sleep and ends after it, and asyncio rounds its waits
+up on the monotonic clock, so a step of the wall clock is what is left to explain it."""
 
 
 def slept(seconds: float) -> float:
