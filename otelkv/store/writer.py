@@ -8,16 +8,19 @@ writes the previous one (``store.insert_encoded``). Encoding needs the interpret
 the insert waits on the database with the GIL released, so together they take about
 the time of the slower of the two instead of their sum (``bench/store_ingest.py``).
 
-A batch is due when ``batch_spans`` spans are queued or ``flush_interval_s`` has passed.
-The encoder takes it only once the inserter has taken the previous one, and then takes
-all that is queued up to ``max_batch_spans``: when the store falls behind, the backlog
-goes in fewer, larger inserts, which is how it catches up (chDB's insert of 20,000 spans
-costs less per span than four of 5,000, and leaves fewer parts to merge). At most two
-batches are out of the queue at once, one being encoded or waiting, one being inserted;
-batches are inserted in the order they were taken. When the
-queue is full the *new* spans are dropped and counted (what is queued is older and
-already paid for); when the store fails (encoding or inserting) the batch is dropped,
-counted, logged at most once a minute, and the writer carries on.
+A batch is due when ``batch_spans`` spans are queued, ``flush_interval_s`` has passed
+or a caller flushes. The encoder takes it only once the inserter has taken the previous
+one, and then takes all that is queued up to ``max_batch_spans`` (``batch_spans`` unless
+given): when the store falls behind, the backlog goes in fewer, larger inserts. The
+sidecar allows the embedded chDB store :data:`BatchWriter.BACKLOG_BATCH_SPANS`, where an
+insert of 20,000 spans costs less per span than four of 5,000 and leaves fewer parts to
+merge; a ClickHouse server over HTTP keeps ``batch_spans`` (its inserts are JSON bodies
+sent under a timeout, and larger ones were not measured). At most two batches are out of
+the queue at once, one being encoded or waiting, one being inserted; batches are inserted
+in the order they were taken. When the queue is full the *new* spans are dropped and
+counted (what is queued is older and already paid for); when the store fails (encoding
+or inserting) the batch is dropped, counted, logged at most once a minute, and the
+writer carries on.
 
 The threads keep their process's CPU priority on purpose: a writer at nice 10 (tried)
 made every other thread of the process - OTLP receiver, turn spans, and in the reference
@@ -50,8 +53,9 @@ class BatchWriter:
     """Bounded, non-blocking span queue drained into a :class:`TraceStore` by two threads."""
 
     BATCH_SPANS = 5000
-    MAX_BATCH_SPANS = 4 * BATCH_SPANS
-    """The defaults (the sidecar's): ``max_batch_spans`` is 4 x ``batch_spans`` unless given."""
+    """The default ``batch_spans``: a batch is due once this many spans are queued."""
+    BACKLOG_BATCH_SPANS = 4 * BATCH_SPANS
+    """The ``max_batch_spans`` the sidecar gives a writer into the embedded chDB store."""
 
     def __init__(
         self,
@@ -66,7 +70,7 @@ class BatchWriter:
         if max_queue_spans < 1 or batch_spans < 1:
             raise ValueError("max_queue_spans and batch_spans must be >= 1")
         if max_batch_spans is None:
-            max_batch_spans = 4 * batch_spans
+            max_batch_spans = batch_spans
         if max_batch_spans < batch_spans:
             raise ValueError("max_batch_spans must be >= batch_spans")
         self.store = store
@@ -111,8 +115,8 @@ class BatchWriter:
                 self._queue.append(spans)
                 self._queued += n
                 accepted = True
-                if self._queued >= self.batch_spans:
-                    self._cond.notify()
+                if self._queued >= self.batch_spans or self._flushing:
+                    self._cond.notify_all()  # the encoder, not only whichever thread waits
         if not accepted:
             self._report_drop(DROP_QUEUE_FULL, n)
         return accepted
@@ -136,7 +140,7 @@ class BatchWriter:
         return True
 
     def close(self, timeout: float | None = 10.0) -> bool:
-        """Write what is queued, then stop the thread; later submits are dropped. Idempotent."""
+        """Write what is queued, then stop the threads; later submits are dropped. Idempotent."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -155,7 +159,7 @@ class BatchWriter:
                 "batches": self._batches,
             }
 
-    # ------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------ the threads
 
     def _take(self) -> list[SpanRecord]:
         """Up to ``max_batch_spans`` spans off the queue (whole submissions, split if needed)."""
@@ -179,8 +183,13 @@ class BatchWriter:
             with self._cond:
                 # A batch is taken when it is full, asked for (flush, close) or due; the
                 # inserter's notifications wake this thread too, and must not cut it short.
+                # A flush with nothing queued waits here too (its last batch is in flight).
                 due = time.monotonic() + self.flush_interval_s
-                while not self._closing and not self._flushing and self._queued < self.batch_spans:
+                while (
+                    not self._closing
+                    and not (self._flushing and self._queued)
+                    and self._queued < self.batch_spans
+                ):
                     remaining = due - time.monotonic()
                     if remaining <= 0:
                         break

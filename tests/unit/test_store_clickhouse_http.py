@@ -166,3 +166,39 @@ def test_http_errors_become_store_errors(fake: tuple[Fake, str]) -> None:
     store.close()
     with pytest.raises(StoreError, match="closed"):
         store.query("SELECT 1")
+
+
+def test_the_sidecar_sends_a_clickhouse_server_inserts_of_one_batch(fake: tuple[Fake, str]) -> None:
+    """Only the embedded store takes a backlog in larger inserts (its cost per span falls
+    with the insert's size); a server over HTTP gets JSON bodies of one batch at most."""
+    from pathlib import Path
+
+    from otelkv.sidecar.app import Sidecar, SidecarConfig
+    from otelkv.store.writer import BatchWriter
+
+    _, url = fake
+    sidecar = Sidecar(
+        SidecarConfig(upstream="http://127.0.0.1:9", clickhouse_url=url, store_path=Path("unused"))
+    )
+    sidecar._open_store()
+    try:
+        assert sidecar.writer is not None
+        assert sidecar.writer.max_batch_spans == sidecar.writer.batch_spans == BatchWriter.BATCH_SPANS
+    finally:
+        assert sidecar.writer is not None and sidecar.writer.close()
+        sidecar.store.close()
+
+
+def test_the_sidecar_lets_the_embedded_store_take_a_backlog_in_larger_inserts(tmp_path: Any) -> None:
+    from otelkv.sidecar.app import Sidecar, SidecarConfig
+    from otelkv.store.writer import BatchWriter
+
+    sidecar = Sidecar(SidecarConfig(upstream="http://127.0.0.1:9", store_path=tmp_path / "store"))
+    sidecar._open_store()
+    try:
+        assert sidecar.writer is not None
+        assert sidecar.writer.batch_spans == BatchWriter.BATCH_SPANS
+        assert sidecar.writer.max_batch_spans == BatchWriter.BACKLOG_BATCH_SPANS > BatchWriter.BATCH_SPANS
+    finally:
+        assert sidecar.writer is not None and sidecar.writer.close()
+        sidecar.store.close()

@@ -218,3 +218,30 @@ def test_batches_fill_while_the_previous_one_is_inserted() -> None:
     writer.close()
     # About 1.2 s of spans at one batch per 0.5 s, plus the flush's: not one per insert.
     assert len(store.batches) <= 5, store.batches
+
+
+def test_a_flush_waiting_for_a_batch_in_the_store_does_not_spin_the_encoder() -> None:
+    """While a flush waits for the batch in the store and nothing is queued, the encoder
+    sleeps: it takes (empty) batches about once per flush interval, not in a loop."""
+    gate = threading.Event()
+    store = FakeStore(gate=gate)
+    writer = BatchWriter(store, batch_spans=4, flush_interval_s=0.1)
+    takes = 0
+    take = writer._take
+
+    def counting_take() -> list[SpanRecord]:
+        nonlocal takes
+        takes += 1
+        return take()
+
+    writer._take = counting_take  # type: ignore[method-assign]
+    writer.submit(spans(4))
+    assert store.entered.wait(5)
+    flushed = threading.Thread(target=writer.flush, kwargs={"timeout": 5})
+    flushed.start()
+    time.sleep(0.5)
+    gate.set()
+    flushed.join(5)
+    assert store.batches == [4]
+    assert takes <= 10, takes  # ~0.5 s at one take per 0.1 s interval, not thousands
+    writer.close()
