@@ -23,11 +23,12 @@ One setting differs from the exporter's: ``otel_traces`` and ``otelkv_span_index
 an index mark every :data:`INDEX_GRANULARITY` rows, not 8,192. Reading a few traces (``why``,
 ``conversation``, ``slow``) decompresses one granule per span name around each trace's
 time (the table is ordered by service and span name before time), and a granule of
-otelkv's spans is mostly attribute maps; the span index's trace-id and conversation
-filters skip granules the same way. ``bench/store_ingest.py`` on 1,000,000 turns, the same
-machine, one run after the other: ``otel_traces``' read for ``why`` 31.5 ms at 8,192 rows
-against 17.5-18.2 at 1,024, for ``slow`` over all turns 133.7 against 65.9-84.1. Tables
-that exist keep the setting they were created with: it changes speed, never results.
+otelkv's spans is mostly attribute maps; the trace-id and conversation skip indexes skip
+granules of that size. ``bench/store_ingest.py --spans 0`` on 1,000,000 turns, four runs
+alternating 8,192 and 1,024 rows in both tables: ``otel_traces``' read for ``why`` 25.4 and
+22.9 ms against 17.0 and 15.7, for ``slow`` over all turns 121.6 and 94.4 against 70.7 and
+76.9; whole commands in docs/performance.md. Tables that exist keep the setting they were
+created with: it changes speed, never results.
 
 Why the exact schema and not our own: a fleet that already runs the collector with the
 ClickHouse exporter has these tables, so every query in :mod:`otelkv.store.queries` runs
