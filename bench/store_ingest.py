@@ -177,11 +177,12 @@ def bench_ingest(n: int, batch_size: int, repeats: int) -> dict[str, float]:
     batches = [spans[i : i + batch_size] for i in range(0, len(spans), batch_size)]
     prebuilt = [spans_to_arrow(batch) for batch in batches]
     largest = BatchWriter.BACKLOG_BATCH_SPANS
-    prebuilt_max = [spans_to_arrow(spans[i : i + largest]) for i in range(0, len(spans), largest)]
     with_max = batch_size != largest
-    rates: dict[str, list[float]] = {"writer": [], "insert_spans": [], "raw": [], "raw_max": [], "build": []}
-    if not with_max:
-        del rates["raw_max"]
+    prebuilt_max = (
+        [spans_to_arrow(spans[i : i + largest]) for i in range(0, len(spans), largest)] if with_max else []
+    )
+    arm_names = ["writer", "insert_spans", "raw", *(["raw_max"] if with_max else []), "build"]
+    rates: dict[str, list[float]] = {arm: [] for arm in arm_names}
     ratios: dict[str, list[float]] = {"writer/raw": [], "writer/best raw": [], "insert_spans/raw": []}
     cores: dict[str, list[float]] = {arm: [] for arm in rates}
     with tempfile.TemporaryDirectory() as tmp:

@@ -632,3 +632,20 @@ def test_a_turn_is_read_with_the_turn_before_it_in_the_hour_before(store: ChdbSt
         assert queries.slowest_turns(store, since_ns=None, until_ns=None, limit=3) == (slowest, {})
     finally:
         store.span_index = True
+
+
+def test_the_sidecar_lets_the_embedded_store_take_a_backlog_in_larger_inserts(tmp_path: Any) -> None:
+    """chDB's cost per span falls with the insert's size; a ClickHouse server over HTTP keeps
+    one batch per insert (``test_store_clickhouse_http``)."""
+    from otelkv.sidecar.app import Sidecar, SidecarConfig
+    from otelkv.store.writer import BatchWriter
+
+    sidecar = Sidecar(SidecarConfig(upstream="http://127.0.0.1:9", store_path=tmp_path / "store"))
+    sidecar._open_store()
+    try:
+        assert sidecar.writer is not None
+        assert sidecar.writer.batch_spans == BatchWriter.BATCH_SPANS
+        assert sidecar.writer.max_batch_spans == BatchWriter.BACKLOG_BATCH_SPANS > BatchWriter.BATCH_SPANS
+    finally:
+        assert sidecar.writer is not None and sidecar.writer.close()
+        sidecar.store.close()

@@ -187,18 +187,3 @@ def test_the_sidecar_sends_a_clickhouse_server_inserts_of_one_batch(fake: tuple[
     finally:
         assert sidecar.writer is not None and sidecar.writer.close()
         sidecar.store.close()
-
-
-def test_the_sidecar_lets_the_embedded_store_take_a_backlog_in_larger_inserts(tmp_path: Any) -> None:
-    from otelkv.sidecar.app import Sidecar, SidecarConfig
-    from otelkv.store.writer import BatchWriter
-
-    sidecar = Sidecar(SidecarConfig(upstream="http://127.0.0.1:9", store_path=tmp_path / "store"))
-    sidecar._open_store()
-    try:
-        assert sidecar.writer is not None
-        assert sidecar.writer.batch_spans == BatchWriter.BATCH_SPANS
-        assert sidecar.writer.max_batch_spans == BatchWriter.BACKLOG_BATCH_SPANS > BatchWriter.BATCH_SPANS
-    finally:
-        assert sidecar.writer is not None and sidecar.writer.close()
-        sidecar.store.close()

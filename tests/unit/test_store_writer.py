@@ -60,7 +60,7 @@ class FakeStore:
 
 def test_batches_and_close_flushes() -> None:
     store = FakeStore()
-    writer = BatchWriter(store, batch_spans=4, max_batch_spans=4, flush_interval_s=10.0)
+    writer = BatchWriter(store, batch_spans=4, flush_interval_s=10.0)
     assert writer.submit(spans(3)) and writer.submit(spans(6)) and writer.submit([])
     assert writer.close(timeout=5)
     assert sum(store.batches) == 9 and max(store.batches) <= 4
@@ -96,7 +96,7 @@ def test_full_queue_drops_new_spans_and_counts() -> None:
 def test_the_next_batch_is_encoded_while_one_is_inserted_and_order_holds() -> None:
     gate = threading.Event()
     store = FakeStore(gate=gate)
-    writer = BatchWriter(store, batch_spans=4, max_batch_spans=4, flush_interval_s=0.01)
+    writer = BatchWriter(store, batch_spans=4, flush_interval_s=0.01)
     sent = spans(12)
     writer.submit(sent[:4])
     assert store.entered.wait(5)  # the first batch is stuck in the store
