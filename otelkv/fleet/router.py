@@ -186,14 +186,19 @@ class PDRouter:
         loop.close()
 
     async def _setup(self, port: int) -> None:
-        # vLLM's API server (uvicorn) closes idle keep-alive connections after 5 s; reusing
-        # one at that moment fails the leg with "Server disconnected". Close them first.
+        # One connection per leg, none kept idle. vLLM's API server (uvicorn) closes a
+        # connection 5 s after its last response, by a timer that runs before the reads of
+        # a loop waking from a stall: a request written on a pooled connection while the
+        # engine's loop was stalled past that mark is dropped unanswered, however soon this
+        # side reused it ("Can not write request body", "Server disconnected"). A fresh
+        # connection has no such timer, and a loopback connect costs well under a
+        # millisecond against a leg of tens of milliseconds or more.
         # A loopback connect to a live engine completes in the kernel; one that times out
         # means this thread could not run (the machine was starved), not a dead engine
         # (refused at once), so the limit only has to catch a hung listener.
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=60),
-            connector=aiohttp.TCPConnector(keepalive_timeout=3.0),
+            connector=aiohttp.TCPConnector(force_close=True),
         )
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()

@@ -170,10 +170,6 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         decoder_ttl_s=TTL_S,
         recompute_threshold=THRESHOLD,
         sidecar=True,
-        # A frozen API server closes its idle keep-alive connections on waking once vLLM's 5 s
-        # have passed, under the request the router just wrote on one (a 502): the stalls here
-        # are about the KV, so the engines keep idle connections for a minute.
-        engine_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"},
     )
     yield from fleet_fixture(config, request)
 
