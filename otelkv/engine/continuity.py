@@ -32,6 +32,7 @@ whoever sees a handle can confirm a guessed prefix.
 from __future__ import annotations
 
 import base64
+import binascii
 import functools
 import hashlib
 import os
@@ -194,12 +195,9 @@ class Parsed(NamedTuple):
         return Hashing(self.block_size, seed) if seed is not None and len(seed) == HASH_BYTES else None
 
 
-_MAX_TEXT = 4 * (MAX_TOKENS // CHUNK_TOKENS + 2) * HASH_BYTES
-
-
 def _b64(text: str) -> bytes | None:
     try:
-        return base64.b64decode(text, validate=True)
+        return binascii.a2b_base64(text, strict_mode=True)  # base64.b64decode(validate=True), leaner
     except ValueError:
         return None
 
@@ -207,19 +205,36 @@ def _b64(text: str) -> bytes | None:
 def parse(value: Any) -> Parsed | None:
     """The digest :func:`digest` wrote; None for anything else (a digest otelkv did not
     write, or an older version, is not used)."""
-    if not isinstance(value, dict):
+    # Runs for every prefill request with a handle, in the scheduler loop: plain comparisons,
+    # no generator or helper call. type(), not isinstance(): JSON true is no number here.
+    if type(value) is not dict:
         return None
-    version, size, n, prompt = value.get("v"), value.get("bs"), value.get("n"), value.get("prompt")
-    if type(version) is not int or type(size) is not int or type(n) is not int or type(prompt) is not int:
-        return None  # type(), not isinstance(): JSON true is no number here
-    if version != VERSION or size <= 0 or not 0 < n <= MAX_TOKENS or not 0 <= prompt <= n:
+    get = value.get
+    version, size, n, prompt = get("v"), get("bs"), get("n"), get("prompt")
+    if (
+        version != VERSION
+        or type(version) is not int
+        or type(size) is not int
+        or type(n) is not int
+        or type(prompt) is not int
+        or size <= 0
+        or not 0 < n <= MAX_TOKENS
+        or not 0 <= prompt <= n
+    ):
         return None
-    seed, prompt_hash, tail_hash, text = value.get("s"), value.get("p"), value.get("t"), value.get("h")
-    if not all(type(x) is str and len(x) == _B64_HASH for x in (seed, prompt_hash, tail_hash)):
+    seed, prompt_hash, tail_hash, text = get("s"), get("p"), get("t"), get("h")
+    if (
+        type(seed) is not str
+        or type(prompt_hash) is not str
+        or type(tail_hash) is not str
+        or type(text) is not str
+        or len(seed) != _B64_HASH
+        or len(prompt_hash) != _B64_HASH
+        or len(tail_hash) != _B64_HASH
+    ):
         return None
-    if type(text) is not str or len(text) > _MAX_TEXT:
-        return None
-    if len(text) != 4 * -(-_entries(n // size, max(1, -(-CHUNK_TOKENS // size))) * HASH_BYTES // 3):
+    entries = -(-(n // size) // -(-CHUNK_TOKENS // size))  # _entries(blocks, stride)
+    if len(text) != 4 * -(-(entries * HASH_BYTES) // 3):  # its base64 length; n bounds it
         return None
     return Parsed(size, seed, n, prompt, text, prompt_hash, tail_hash)
 
@@ -235,6 +250,12 @@ def _entry(text: str, i: int) -> bytes | None:
 
 
 _B64_HASH = len(base64.b64encode(bytes(HASH_BYTES)))
+
+
+@functools.lru_cache(maxsize=8)
+def _derived(hashing: Hashing) -> tuple[int, str, int]:
+    """(block size, seed text, stride) of an engine's hashing, computed once, not per check."""
+    return hashing.block_size, hashing.seed_text, hashing.stride
 
 
 def check(
@@ -254,22 +275,25 @@ def check(
         remote = int(remote_num_tokens or 0)
     except (TypeError, ValueError):
         return None
-    offered = max(min(remote, len(token_ids)), 0)
+    prompt = len(token_ids)  # once: vLLM's all_token_ids is a Python-level Sequence
+    offered = max(min(remote, prompt), 0)
+    if hashing is None:
+        return Check(offered, 0, None, None, comparable=False)
+    size, seed_text, stride = _derived(hashing)
     if (
-        hashing is None
-        or parsed.block_size != hashing.block_size
-        or parsed.seed_text != hashing.seed_text
-        or len(block_hashes) != len(token_ids) // hashing.block_size
+        parsed.block_size != size
+        or parsed.seed_text != seed_text
+        or len(block_hashes) != prompt // size
         or type(block_hashes[0] if block_hashes else b"") is not bytes
     ):
         return Check(offered, 0, None, None, comparable=False)
-    size, stride, n = hashing.block_size, hashing.stride, parsed.n
+    n = parsed.n
     blocks = n // size
     limit = min(offered, n) // size  # whole blocks that are offered and covered
     # Digest entries whose block lies inside the limit: the stride multiples, and the last block.
-    entries = _entries(blocks, stride) if limit >= blocks else limit // stride
+    entries = -(-blocks // stride) if limit >= blocks else limit // stride  # _entries(blocks, stride)
     tail = offered >= n > blocks * size  # the KV ends inside a block, and all of it is offered
-    last = _entry_block(entries - 1, blocks, stride) if entries else -1
+    last = min(entries * stride, blocks) - 1 if entries else -1  # _entry_block(entries - 1, ...)
     if entries:
         mine = _entry(parsed.hashes_text, entries - 1)
         if mine is None:
