@@ -809,6 +809,9 @@ itself with a 4xx/5xx (malformed HTTP, body or headers too large, protocol upgra
 version) instead of forwarding them."""
 METRIC_SIDECAR_UPSTREAM_ERRORS: Final = "otelkv_sidecar_upstream_errors"
 """Counter: requests the upstream could not answer (the client got a 502)."""
+METRIC_SIDECAR_UPSTREAM_RETRIES: Final = "otelkv_sidecar_upstream_retries"
+"""Counter: requests sent again on a new connection after a pooled one closed on them
+unanswered (the upstream closing an idle keep-alive connection as the request arrived)."""
 METRIC_SIDECAR_STORE_QUEUE: Final = "otelkv_sidecar_store_queue_spans"
 """Gauge: spans waiting for the store writer."""
 METRIC_SIDECAR_FORWARD_DROPPED: Final = "otelkv_sidecar_forward_dropped"
@@ -1078,6 +1081,12 @@ SIDECAR_METRICS: Final = (
         "Client requests refused by the proxy, by reason (malformed, too large, upgrade, version).",
     ),
     Metric(METRIC_SIDECAR_UPSTREAM_ERRORS, COUNTER, (), "Requests the upstream could not answer."),
+    Metric(
+        METRIC_SIDECAR_UPSTREAM_RETRIES,
+        COUNTER,
+        (),
+        "Requests sent again after a pooled upstream connection closed on them unanswered.",
+    ),
     Metric(
         METRIC_SIDECAR_FORWARD_DROPPED,
         COUNTER,

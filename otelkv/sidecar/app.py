@@ -199,6 +199,8 @@ class Sidecar:
     def _proxy_counters(self, counters: dict[str, int]) -> None:
         if counters.get("upstream_errors"):
             self.metrics.upstream_errors.inc(counters["upstream_errors"])
+        if counters.get("upstream_retries"):
+            self.metrics.upstream_retries.inc(counters["upstream_retries"])
         for key, count in counters.items():
             kind, _, reason = key.partition(":")
             if kind == REFUSED and count and reason in names.REQUEST_REFUSED_REASONS:

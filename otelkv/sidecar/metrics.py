@@ -63,6 +63,7 @@ class SidecarMetrics:
         self.otlp_rejected = m[names.METRIC_SIDECAR_OTLP_REJECTED]
         self.requests_refused = m[names.METRIC_SIDECAR_REQUESTS_REFUSED]
         self.upstream_errors = m[names.METRIC_SIDECAR_UPSTREAM_ERRORS]
+        self.upstream_retries = m[names.METRIC_SIDECAR_UPSTREAM_RETRIES]
         self.forward_dropped = m[names.METRIC_SIDECAR_FORWARD_DROPPED]
         self.store_queue = m[names.METRIC_SIDECAR_STORE_QUEUE]
         self.continuity_errors = m[names.METRIC_SIDECAR_CONTINUITY_ERRORS]

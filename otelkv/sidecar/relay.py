@@ -14,7 +14,13 @@ a few tens of microseconds of CPU:
 
 Upstream connections are pooled (LIFO) and dropped after ``UPSTREAM_IDLE_S`` idle: common
 servers (uvicorn, hence vLLM and many routers) close idle connections after 5 s, and a
-request written into a connection the server is closing would fail.
+request written into a connection the server is closing would fail. No idle limit on this
+side closes that race: uvicorn (under uvloop) runs its keep-alive timer before reading a
+request that arrived while its loop was stalled, so a stall of a second or two drops a
+request written on a connection idle for far less. So a request that a *pooled* connection
+closed on before a byte of answer is sent once more, on a new connection: the server cannot
+have answered it, and the client never sees the race. A new connection that fails the same
+way is the upstream's answer (a 502).
 
 Failure behaviour: upstream unreachable or closed before answering -> 502 (JSON); upstream
 closed mid-response -> the client connection is closed (the bytes so far were already
@@ -151,6 +157,7 @@ class _Upstream(asyncio.Protocol):
         self.parser: httptools.HttpResponseParser | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.reused = False  # taken from the pool: it served an exchange before this one
         self._headers: list[tuple[bytes, bytes]] = []
         self._status = 0
         self._head_done = False
@@ -190,7 +197,9 @@ class _Upstream(asyncio.Protocol):
             self._complete = True  # a response delimited by the connection's end
             self._done()
         elif not self._got_bytes:
-            self._fail("upstream closed the connection before answering", nothing_sent=True)
+            self._fail(
+                "upstream closed the connection before answering", nothing_sent=True, retry=self.reused
+            )
         else:
             self._fail("upstream closed mid-response")
 
@@ -258,12 +267,12 @@ class _Upstream(asyncio.Protocol):
         if client is not None:
             client.exchange_done(self._status, None, keep_client=keep_client)
 
-    def _fail(self, error: str, *, nothing_sent: bool = False) -> None:
+    def _fail(self, error: str, *, nothing_sent: bool = False, retry: bool = False) -> None:
         client, self.client = self.client, None
         self.parser = None
         self._abort()
         if client is not None:
-            client.exchange_failed(error, nothing_sent=nothing_sent, status=self._status)
+            client.exchange_failed(error, nothing_sent=nothing_sent, status=self._status, retry=retry)
 
     def _abort(self) -> None:
         self.closed = True
@@ -298,6 +307,7 @@ class UpstreamPool:
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < UPSTREAM_IDLE_S:
+                conn.reused = True
                 return conn
             conn._abort()
         return None
@@ -351,6 +361,9 @@ class _Client(asyncio.Protocol):
         self._head_size = 0  # exact size of the current head's URL, names and values
         self._continue_due = False  # a 100 Continue owed once the pending responses are sent
         self._sock: Any = None  # for the kernel's receive time of each request
+        # The current exchange's head and body, to send once more if a pooled connection
+        # closes on them unanswered; None once sent again, or the exchange is over.
+        self._sent: tuple[bytes, bytes] | None = None
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -499,6 +512,7 @@ class _Client(asyncio.Protocol):
             logger.exception("otelkv sidecar: could not observe a request; passing it through")
             self.exchange, extra, body = None, [], req.body
         head = self.relay.request_head(req, extra, len(body))
+        self._sent = (head, body)
         conn = self.relay.pool.take()
         if conn is not None:
             self._send(conn, head, body, req)
@@ -556,6 +570,7 @@ class _Client(asyncio.Protocol):
 
     def exchange_done(self, status: int, error: str | None, *, keep_client: bool) -> None:
         self.upstream = None
+        self._sent = None
         self._end_exchange(status, error)
         req, self.current = self.current, None
         if not keep_client or req is None or not req.keep_alive:
@@ -563,8 +578,13 @@ class _Client(asyncio.Protocol):
             return
         self._advance()
 
-    def exchange_failed(self, error: str, *, nothing_sent: bool, status: int) -> None:
+    def exchange_failed(self, error: str, *, nothing_sent: bool, status: int, retry: bool = False) -> None:
         self.upstream = None
+        sent, self._sent = self._sent, None
+        if nothing_sent and retry and sent is not None and self.current is not None and not self.closing:
+            self.relay.count("upstream_retries")
+            self.relay.loop.create_task(self._connect_and_send(*sent, self.current))
+            return
         self.relay.count("upstream_errors")
         if nothing_sent:
             self._reply_error(502, "Bad Gateway", f"otelkv sidecar: {error}", error)
@@ -575,6 +595,7 @@ class _Client(asyncio.Protocol):
 
     def _reply_error(self, status: int, reason: str, message: str, error: str) -> None:
         self.upstream = None
+        self._sent = None
         req, self.current = self.current, None
         keep = req is not None and req.keep_alive
         self.write(_error_response(status, reason, message, close=not keep))

@@ -1299,6 +1299,67 @@ def test_upstream_closing_an_idle_connection_is_noticed(run: Run) -> None:
     run(scenario)
 
 
+def _closes_on_its_second_request(answer_on_fresh: bool) -> Handler:
+    """An upstream whose first connection answers one request, then reads the next and
+    hangs up unanswered (a keep-alive timer firing as the request arrives); later
+    connections answer (``answer_on_fresh``) or hang up the same way."""
+
+    async def handler(conn: UpConn) -> None:
+        first = len(conn.server.connections) == 1
+        request = await conn.read_request()
+        if request is None:
+            return
+        if first or answer_on_fresh:
+            await conn.write(echo_path(request))
+        if first:
+            await conn.read_request()  # and close, unanswered
+        elif answer_on_fresh:
+            while (request := await conn.read_request()) is not None:
+                await conn.write(echo_path(request))
+
+    return handler
+
+
+def test_request_a_pooled_connection_closes_on_unanswered_is_sent_again(run: Run) -> None:
+    """The request goes once more, on a new connection: the client gets the answer, the
+    observer one exchange, and the retry is counted (not as an error)."""
+
+    async def scenario() -> None:
+        counters: dict[str, int] = {}
+        observer = Recorder()
+        async with proxied(_closes_on_its_second_request(True), observer=observer, counters=counters) as env:
+            client = await env.client()
+            for path in (b"/one", b"/two"):
+                await client.send(post(path.decode(), b'{"n": 1}'))
+                assert await client.exactly(len(ok(b"you asked " + path))) == ok(b"you asked " + path)
+            assert [r.head.split(b" ")[1] for r in env.upstream.received] == [b"/one", b"/two", b"/two"]
+            assert [r.body for r in env.upstream.received] == [b'{"n": 1}'] * 3
+            assert len(env.upstream.connections) == 2
+            assert counters == {"upstream_retries": 1}
+            assert (await observer.finished(1)).finishes == [(200, None)]
+            assert len(observer.seen) == 2
+
+    run(scenario)
+
+
+def test_request_a_new_connection_also_closes_on_is_a_502(run: Run) -> None:
+    """Sent once more at most: a new connection closing unanswered is the upstream's answer."""
+
+    async def scenario() -> None:
+        counters: dict[str, int] = {}
+        async with proxied(_closes_on_its_second_request(False), counters=counters) as env:
+            client = await env.client()
+            await client.send(get("/one"))
+            assert await client.exactly(len(ok(b"you asked /one"))) == ok(b"you asked /one")
+            await client.send(get("/two"))
+            status, _, body = await client.response()
+            assert status == 502 and "before answering" in error_json(body)["message"]
+            assert counters == {"upstream_retries": 1, "upstream_errors": 1}
+            assert len(env.upstream.received) == 3
+
+    run(scenario)
+
+
 def test_unparsable_upstream_response_closes_the_client(run: Run) -> None:
     """An upstream answering something that is not HTTP: the bytes were already relayed (the
     relay never holds them back to parse first), so the client connection is closed, the
