@@ -114,6 +114,11 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         sidecar=True,
         vllm_tracing=False,
         router_factory=lambda prefill, decode: ThirdPartyRouter(prefill, decode),
+        # The router keeps aiohttp's pool (15 s idle), as third parties do; vLLM closes idle
+        # connections after 5 s, and a request written as it does (or on a stalled engine
+        # loop) fails with a 502 that is the race's, not the router's identity handling's.
+        # The engines keep idle connections longer than the router, as a user would set them.
+        engine_env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60"},
     )
     yield from fleet_fixture(config, request)
 
