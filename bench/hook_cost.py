@@ -1,6 +1,6 @@
 """CPU cost of the instrumented connector's hooks, otelkv on vs off, side by side.
 
-    .venv/bin/python bench/hook_cost.py [--requests 2000] [--repeats 7]
+    .venv/bin/python bench/hook_cost.py [--requests 2000] [--repeats 7] [--phases]
 
 Drives the real ``OtelKVConnector`` (scheduler role, as in vLLM's EngineCore) around an
 inner connector that does nothing, through the hooks vLLM calls for one P/D request:
@@ -20,10 +20,12 @@ EngineCore's output thread does in the engine's process.
 
 Prints, per request: the decode side's digest of ``--continuity-tokens`` tokens (what a
 decode node adds when a request finishes), then CPU of this process (where vLLM's
-scheduler loop would run) for each arm and the difference; the exporter process's CPU
-(off the engine's core); and the difference as a share of a prefill request's engine
-time (``--engine-ms``, default 60 ms: the tiny model's prefill on this CPU; GPU prefills
-of long prompts take as long or longer).
+scheduler loop would run) for each arm and the difference, of the medians and of each
+arm's least run; the exporter process's CPU (off the engine's core); and the difference
+as a share of a prefill request's engine time (``--engine-ms``, default 60 ms: the tiny
+model's prefill on this CPU; GPU prefills of long prompts take as long or longer). With
+``--phases``, also the added CPU of each group of hooks on the scheduler's thread and of
+the process's other threads (the span shipper).
 """
 
 from __future__ import annotations
@@ -72,6 +74,27 @@ def make_connector(enabled: bool) -> OtelKVConnector:
 HANDLE = fakes.DECODE_HANDLE
 
 
+class Phases:
+    """CPU of the scheduler's thread (this one) per group of hooks, and of the process's other
+    threads (the span shipper), summed over runs (``--phases``)."""
+
+    GROUPS = ("arrival", "matching", "allocation", "step", "load", "stats", "finish", "release")
+
+    def __init__(self) -> None:
+        self.us: dict[str, float] = dict.fromkeys((*self.GROUPS, "other threads"), 0.0)
+        self.requests = 0
+        self._last = time.thread_time()
+
+    def start(self) -> None:
+        self._last = time.thread_time()
+
+    def mark(self, group: str) -> None:
+        """Charge the thread's CPU since the last mark to ``group``."""
+        now = time.thread_time()
+        self.us[group] += (now - self._last) * 1e6
+        self._last = now
+
+
 def run(
     connector: OtelKVConnector,
     requests: int,
@@ -79,13 +102,15 @@ def run(
     prompt_ids: list[int],
     prompt_hashes: list[bytes],
     batch: int = 1,
+    phases: Phases | None = None,
 ) -> float:
     """Engine-process CPU per request: ``requests`` requests through the hooks, ``batch`` of
     them sharing each engine step (arrivals, matching and allocation, then one step's
     ``build_connector_meta``, the step output reporting every load, the step's stats; then
     every finish, and one step reporting the releases, with its stats), as vLLM's scheduler
     calls them. Each step's stats go through vLLM's msgpack encoder as EngineCore's output
-    thread sends them (in the engine's process)."""
+    thread sends them (in the engine's process). ``phases``: also charge each group of hooks
+    its CPU (a clock read between groups, in both arms alike)."""
     fakes.RETURNS.update(
         {
             "get_num_new_matched_tokens": (98, True),
@@ -105,7 +130,9 @@ def run(
         if stats is not None:
             encoder.encode(stats.to_dict())
 
+    mark = phases.mark if phases is not None else None
     started = time.process_time()
+    thread_started = time.thread_time()
     for first in range(0, requests, batch):
         group = []
         for i in range(first, min(first + batch, requests)):
@@ -125,11 +152,21 @@ def run(
                     status=status,
                 )
             )
+        if mark:
+            phases.start()  # type: ignore[union-attr]
         for request in group:
             connector.on_new_request(request)  # type: ignore[arg-type]
+            if mark:
+                mark("arrival")
             connector.get_num_new_matched_tokens(request, 32)  # type: ignore[arg-type]
+            if mark:
+                mark("matching")
             connector.update_state_after_alloc(request, None, 98)  # type: ignore[arg-type]
+            if mark:
+                mark("allocation")
         connector.build_connector_meta(None)  # type: ignore[arg-type]
+        if mark:
+            mark("step")
         ids = {request.request_id for request in group}
         transfers = {
             rid: TransferRecord(rid, "ok", bytes=262144, descriptors=2, handles=1, xfer_s=0.01, post_s=0.001)
@@ -137,18 +174,37 @@ def run(
         }
         meta = OtelKVWorkerMeta(transfers=transfers)
         loaded = KVConnectorOutput(finished_recving=ids, kv_connector_worker_meta=meta)
+        if mark:
+            phases.start()  # type: ignore[union-attr]
         connector.update_connector_output(loaded)
+        if mark:
+            mark("load")
         step_stats()
+        if mark:
+            mark("stats")
         for request in group:
             connector.request_finished_all_groups(request, ([1, 2, 3, 4, 5],))  # type: ignore[arg-type]
-        connector.update_connector_output(KVConnectorOutput(finished_sending=ids))
+        if mark:
+            mark("finish")
+        released = KVConnectorOutput(finished_sending=ids)
+        if mark:
+            phases.start()  # type: ignore[union-attr]
+        connector.update_connector_output(released)
+        if mark:
+            mark("release")
         step_stats()
+        if mark:
+            mark("stats")
         # The recording inner connector keeps every call's arguments (for the unit tests):
         # dropped each step, so the heap the garbage collector scans stays an engine's, not
         # a growing list of every request ever made.
         fakes.CALLS.clear()
     telemetry.flush()  # includes marshalling the records into the pipe (a thread of this process)
-    return (time.process_time() - started) / requests * 1e6
+    process_s = time.process_time() - started
+    if phases is not None:
+        phases.us["other threads"] += (process_s - (time.thread_time() - thread_started)) * 1e6
+        phases.requests += requests
+    return process_s / requests * 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=16,
         help="requests sharing each engine step in the loaded arm (a busy engine's batch)",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also print each group of hooks' CPU on the scheduler's thread, otelkv on minus off",
     )
     args = parser.parse_args(argv)
     batches = (1, max(args.batch, 1))
@@ -207,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     on_us: dict[int, list[float]] = {b: [] for b in batches}
     off_us: dict[int, list[float]] = {b: [] for b in batches}
     exporter_us: list[float] = []
+    phases = {(enabled, b): Phases() for enabled in (True, False) for b in batches} if args.phases else {}
     try:
         for repeat in range(args.repeats):
             for batch in batches:
@@ -222,7 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                     child = getattr(getattr(writer, "_proc", None), "pid", None)
                     child_before = cpu_seconds(child) if child else 0.0
                     (on_us if enabled else off_us)[batch].append(
-                        run(connector, args.requests, handle, prompt_ids, prompt_hashes, batch)
+                        run(
+                            connector,
+                            args.requests,
+                            handle,
+                            prompt_ids,
+                            prompt_hashes,
+                            batch,
+                            phases.get((enabled, batch)),
+                        )
                     )
                     if child:
                         time.sleep(1.0)  # let the exporter process finish the last batch
@@ -256,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    added, least of each arm                     {least:8.1f} us per request")
     exporter = statistics.median(exporter_us)
     print(f"  otelkv's exporter process (another core)       {exporter:8.1f} us per request")
+    for batch in batches if phases else ():
+        on_p, off_p = phases[(True, batch)], phases[(False, batch)]
+        print(f"  where the added CPU goes, {batch} per step (us per request, on minus off, all repeats):")
+        for group in on_p.us:
+            added = on_p.us[group] / on_p.requests - off_p.us[group] / off_p.requests
+            print(f"    {group:<14} {added:6.1f}")
     share = added_serial / (args.engine_ms * 1000)
     print(
         f"  engine-side share of a {args.engine_ms:g} ms engine request (one per step): "
