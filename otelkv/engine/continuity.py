@@ -32,7 +32,6 @@ whoever sees a handle can confirm a guessed prefix.
 from __future__ import annotations
 
 import base64
-import binascii
 import functools
 import hashlib
 import os
@@ -197,7 +196,7 @@ class Parsed(NamedTuple):
 
 def _b64(text: str) -> bytes | None:
     try:
-        return binascii.a2b_base64(text, strict_mode=True)  # base64.b64decode(validate=True), leaner
+        return base64.b64decode(text, validate=True)
     except ValueError:
         return None
 
@@ -206,14 +205,14 @@ def parse(value: Any) -> Parsed | None:
     """The digest :func:`digest` wrote; None for anything else (a digest otelkv did not
     write, or an older version, is not used)."""
     # Runs for every prefill request with a handle, in the scheduler loop: plain comparisons,
-    # no generator or helper call. type(), not isinstance(): JSON true is no number here.
-    if type(value) is not dict:
+    # no generator. type(), not isinstance(), for numbers: JSON true is no number here.
+    if not isinstance(value, dict):
         return None
     get = value.get
     version, size, n, prompt = get("v"), get("bs"), get("n"), get("prompt")
     if (
-        version != VERSION
-        or type(version) is not int
+        type(version) is not int
+        or version != VERSION
         or type(size) is not int
         or type(n) is not int
         or type(prompt) is not int
@@ -233,9 +232,8 @@ def parse(value: Any) -> Parsed | None:
         or len(tail_hash) != _B64_HASH
     ):
         return None
-    entries = -(-(n // size) // -(-CHUNK_TOKENS // size))  # _entries(blocks, stride)
-    if len(text) != 4 * -(-(entries * HASH_BYTES) // 3):  # its base64 length; n bounds it
-        return None
+    if len(text) != 4 * -(-_entries(n // size, max(1, -(-CHUNK_TOKENS // size))) * HASH_BYTES // 3):
+        return None  # not the base64 length of the entries (n bounds it: no separate cap)
     return Parsed(size, seed, n, prompt, text, prompt_hash, tail_hash)
 
 
@@ -250,12 +248,6 @@ def _entry(text: str, i: int) -> bytes | None:
 
 
 _B64_HASH = len(base64.b64encode(bytes(HASH_BYTES)))
-
-
-@functools.lru_cache(maxsize=8)
-def _derived(hashing: Hashing) -> tuple[int, str, int]:
-    """(block size, seed text, stride) of an engine's hashing, computed once, not per check."""
-    return hashing.block_size, hashing.seed_text, hashing.stride
 
 
 def check(
@@ -275,25 +267,23 @@ def check(
         remote = int(remote_num_tokens or 0)
     except (TypeError, ValueError):
         return None
-    prompt = len(token_ids)  # once: vLLM's all_token_ids is a Python-level Sequence
-    offered = max(min(remote, prompt), 0)
-    if hashing is None:
-        return Check(offered, 0, None, None, comparable=False)
-    size, seed_text, stride = _derived(hashing)
+    n_tokens = len(token_ids)  # once: vLLM's all_token_ids is a Python-level Sequence
+    offered = max(min(remote, n_tokens), 0)
     if (
-        parsed.block_size != size
-        or parsed.seed_text != seed_text
-        or len(block_hashes) != prompt // size
+        hashing is None
+        or parsed.block_size != hashing.block_size
+        or parsed.seed_text != _seed_text(hashing.seed)
+        or len(block_hashes) != n_tokens // hashing.block_size
         or type(block_hashes[0] if block_hashes else b"") is not bytes
     ):
         return Check(offered, 0, None, None, comparable=False)
-    n = parsed.n
+    size, stride, n = hashing.block_size, hashing.stride, parsed.n
     blocks = n // size
     limit = min(offered, n) // size  # whole blocks that are offered and covered
     # Digest entries whose block lies inside the limit: the stride multiples, and the last block.
-    entries = -(-blocks // stride) if limit >= blocks else limit // stride  # _entries(blocks, stride)
+    entries = _entries(blocks, stride) if limit >= blocks else limit // stride
     tail = offered >= n > blocks * size  # the KV ends inside a block, and all of it is offered
-    last = min(entries * stride, blocks) - 1 if entries else -1  # _entry_block(entries - 1, ...)
+    last = _entry_block(entries - 1, blocks, stride) if entries else -1
     if entries:
         mine = _entry(parsed.hashes_text, entries - 1)
         if mine is None:
