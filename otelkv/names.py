@@ -810,8 +810,9 @@ version) instead of forwarding them."""
 METRIC_SIDECAR_UPSTREAM_ERRORS: Final = "otelkv_sidecar_upstream_errors"
 """Counter: requests the upstream could not answer (the client got a 502)."""
 METRIC_SIDECAR_UPSTREAM_RETRIES: Final = "otelkv_sidecar_upstream_retries"
-"""Counter: requests sent again on a new connection after a pooled one closed on them
-unanswered (the upstream closing an idle keep-alive connection as the request arrived)."""
+"""Counter: requests sent again, once, on a new connection after a pooled one closed on
+them unanswered (an upstream closing an idle keep-alive connection as the request arrived,
+or one that died before answering)."""
 METRIC_SIDECAR_STORE_QUEUE: Final = "otelkv_sidecar_store_queue_spans"
 """Gauge: spans waiting for the store writer."""
 METRIC_SIDECAR_FORWARD_DROPPED: Final = "otelkv_sidecar_forward_dropped"

@@ -191,8 +191,9 @@ class PDRouter:
         # a loop waking from a stall: a request written on a pooled connection while the
         # engine's loop was stalled past that mark is dropped unanswered, however soon this
         # side reused it ("Can not write request body", "Server disconnected"). A fresh
-        # connection has no such timer, and a loopback connect costs well under a
-        # millisecond against a leg of tens of milliseconds or more.
+        # connection has no such timer; on the fleet's loopback its connect costs well under
+        # a millisecond against a leg of tens of milliseconds or more (engines on other
+        # hosts, or behind TLS, would pay a handshake per leg).
         # A loopback connect to a live engine completes in the kernel; one that times out
         # means this thread could not run (the machine was starved), not a dead engine
         # (refused at once), so the limit only has to catch a hung listener.

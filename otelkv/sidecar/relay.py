@@ -18,9 +18,11 @@ request written into a connection the server is closing would fail. No idle limi
 side closes that race: uvicorn (under uvloop) runs its keep-alive timer before reading a
 request that arrived while its loop was stalled, so a stall of a second or two drops a
 request written on a connection idle for far less. So a request that a *pooled* connection
-closed on before a byte of answer is sent once more, on a new connection: the server cannot
-have answered it, and the client never sees the race. A new connection that fails the same
-way is the upstream's answer (a 502).
+closed on before a byte of answer is sent once more, on a new connection, and the client
+never sees the race. The relay cannot tell that close from an upstream that read the
+request and died before answering: such a request is replayed too, once (as clients of
+inference APIs commonly retry a request whose connection failed). A new connection that
+fails the same way is the upstream's answer (a 502).
 
 Failure behaviour: upstream unreachable or closed before answering -> 502 (JSON); upstream
 closed mid-response -> the client connection is closed (the bytes so far were already
@@ -157,7 +159,7 @@ class _Upstream(asyncio.Protocol):
         self.parser: httptools.HttpResponseParser | None = None
         self.closed = False
         self.idle_since = 0.0
-        self.reused = False  # taken from the pool: it served an exchange before this one
+        self.reused = False  # taken from the pool (it waited there idle), not freshly connected
         self._headers: list[tuple[bytes, bytes]] = []
         self._status = 0
         self._head_done = False
@@ -176,7 +178,9 @@ class _Upstream(asyncio.Protocol):
         if client is None:  # nothing asked: a server speaking out of turn
             self._abort()
             return
-        self._got_bytes = True
+        if not self._got_bytes:
+            self._got_bytes = True
+            client.answered()
         client.write(data)  # first the bytes, untouched; then look at them
         try:
             assert self.parser is not None
@@ -361,8 +365,8 @@ class _Client(asyncio.Protocol):
         self._head_size = 0  # exact size of the current head's URL, names and values
         self._continue_due = False  # a 100 Continue owed once the pending responses are sent
         self._sock: Any = None  # for the kernel's receive time of each request
-        # The current exchange's head and body, to send once more if a pooled connection
-        # closes on them unanswered; None once sent again, or the exchange is over.
+        # The current exchange's head and body while it is on a pooled connection and no
+        # byte of answer came, to send once more if that connection closes; else None.
         self._sent: tuple[bytes, bytes] | None = None
 
     # asyncio callbacks
@@ -512,9 +516,9 @@ class _Client(asyncio.Protocol):
             logger.exception("otelkv sidecar: could not observe a request; passing it through")
             self.exchange, extra, body = None, [], req.body
         head = self.relay.request_head(req, extra, len(body))
-        self._sent = (head, body)
         conn = self.relay.pool.take()
         if conn is not None:
+            self._sent = (head, body)
             self._send(conn, head, body, req)
         else:
             self.relay.loop.create_task(self._connect_and_send(head, body, req))
@@ -541,6 +545,10 @@ class _Client(asyncio.Protocol):
         conn.send(self, head, body, head_request=req.method == b"HEAD")
         if self._writing_paused and conn.transport is not None:
             conn.transport.pause_reading()
+
+    def answered(self) -> None:
+        """The upstream's first byte for this exchange: it can no longer be sent again."""
+        self._sent = None
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closing:

@@ -1360,6 +1360,26 @@ def test_request_a_new_connection_also_closes_on_is_a_502(run: Run) -> None:
     run(scenario)
 
 
+def test_retries_and_errors_counted_in_the_proxy_become_the_sidecars_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay's ``upstream_retries`` and ``upstream_errors`` reach ``/metrics``."""
+    import os
+
+    from otelkv import names
+    from otelkv.sidecar.app import Sidecar, SidecarConfig
+    from tests.unit.sidecar_harness import metric
+
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    sidecar = Sidecar(SidecarConfig(upstream="http://127.0.0.1:9", store=False))
+    sidecar._proxy_counters({"upstream_retries": 2, "upstream_errors": 1})
+    sidecar._proxy_counters({"upstream_retries": 1})
+    text = sidecar.metrics.exposition().decode()
+    assert metric(text, names.METRIC_SIDECAR_UPSTREAM_RETRIES + "_total") == 3
+    assert metric(text, names.METRIC_SIDECAR_UPSTREAM_ERRORS + "_total") == 1
+
+
 def test_unparsable_upstream_response_closes_the_client(run: Run) -> None:
     """An upstream answering something that is not HTTP: the bytes were already relayed (the
     relay never holds them back to parse first), so the client connection is closed, the
