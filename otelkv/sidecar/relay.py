@@ -20,9 +20,8 @@ request that arrived while its loop was stalled, so a stall of a second or two d
 request written on a connection idle for far less. So a request that a *pooled* connection
 closed on before a byte of answer is sent once more, on a new connection, and the client
 never sees the race. The relay cannot tell that close from an upstream that read the
-request and died before answering: such a request is replayed too, once (as clients of
-inference APIs commonly retry a request whose connection failed). A new connection that
-fails the same way is the upstream's answer (a 502).
+request and died before answering: such a request is replayed too, once. A new
+connection that fails the same way is the upstream's answer (a 502).
 
 Failure behaviour: upstream unreachable or closed before answering -> 502 (JSON); upstream
 closed mid-response -> the client connection is closed (the bytes so far were already
