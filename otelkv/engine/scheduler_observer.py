@@ -32,7 +32,7 @@ from otelkv.engine.config import EngineSettings
 from otelkv.engine.decision import PullDecision, agrees_with_connector, decide_reverse_pull, role_of
 from otelkv.engine.guard import ErrorLedger, guarded
 from otelkv.engine.messages import OtelKVWorkerMeta, TransferRecord, series_key
-from otelkv.engine.span_export import new_span_id, new_trace_id
+from otelkv.engine.span_export import FinishedSpan, new_span_id, new_trace_id
 
 logger = logging.getLogger("vllm.otelkv")
 
@@ -644,7 +644,7 @@ class SchedulerObserver:
 
         if self._writer.enabled:
             self._writer.emit(
-                (  # a FinishedSpan's fields: a plain tuple costs a fifth of the NamedTuple
+                FinishedSpan(
                     names.engine_request_span_name(role),
                     state.trace_id,
                     state.span_id,
@@ -665,7 +665,7 @@ class SchedulerObserver:
         if transfer is None or not self._writer.enabled:
             return
         self._writer.emit(
-            (  # a FinishedSpan's fields
+            FinishedSpan(
                 transfer.name,
                 state.trace_id,
                 new_span_id(),
@@ -719,7 +719,7 @@ class SchedulerObserver:
         self._gauge_kinds.add(retention.kind)
         if self._writer.enabled:
             self._writer.emit(
-                (  # a FinishedSpan's fields
+                FinishedSpan(
                     names.retention_span_name(retention.kind),
                     state.trace_id,
                     new_span_id(),

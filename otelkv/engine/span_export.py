@@ -37,8 +37,6 @@ logger = logging.getLogger("vllm.otelkv")
 QUEUE_CAPACITY = 16384
 """Span records kept while the exporter process catches up; beyond it the oldest go."""
 BATCH_INTERVAL_S = 0.2
-MAX_BATCH = 2048
-"""Records per marshalled batch (one pipe message)."""
 
 
 class FinishedSpan(NamedTuple):
@@ -119,8 +117,8 @@ class InProcessWriter:
         self._scope = scope or InstrumentationScope("otelkv.engine")
         self.dropped = 0
 
-    def emit(self, record: FinishedSpan | tuple[Any, ...]) -> None:
-        self._exporter.export(build_spans([FinishedSpan(*record)], self._resource, self._scope))
+    def emit(self, record: FinishedSpan) -> None:
+        self._exporter.export(build_spans([record], self._resource, self._scope))
 
 
 class NullWriter:
@@ -129,7 +127,7 @@ class NullWriter:
     enabled = False
     dropped = 0
 
-    def emit(self, record: FinishedSpan | tuple[Any, ...]) -> None:
+    def emit(self, record: FinishedSpan) -> None:
         return
 
 
@@ -142,7 +140,7 @@ class ProcessWriter:
     enabled = True
 
     def __init__(self, resource_attributes: dict[str, Any], capacity: int = QUEUE_CAPACITY) -> None:
-        self._queue: deque[tuple[Any, ...]] = deque()
+        self._queue: deque[FinishedSpan] = deque()
         self._capacity = capacity
         self._wake = threading.Event()
         self.dropped = 0
@@ -164,13 +162,11 @@ class ProcessWriter:
         """The exporter process."""
         return self._proc.pid
 
-    def emit(self, record: FinishedSpan | tuple[Any, ...]) -> None:
-        """Queue one record: a :class:`FinishedSpan`, or its fields as a plain tuple (what
-        the engine's hooks build). Queued as a plain tuple: marshal takes no subclass."""
+    def emit(self, record: FinishedSpan) -> None:
         if len(self._queue) >= self._capacity:
             self.dropped += 1
             return
-        self._queue.append(record if type(record) is tuple else tuple(record))
+        self._queue.append(record)
 
     def _send(self, payload: bytes) -> None:
         self._pipe.write(len(payload).to_bytes(4, "big") + payload)
@@ -182,8 +178,9 @@ class ProcessWriter:
             self._wake.clear()
             if not self._queue:
                 continue
-            popleft = self._queue.popleft
-            batch = [popleft() for _ in range(min(len(self._queue), MAX_BATCH))]
+            batch = []
+            while self._queue and len(batch) < 2048:
+                batch.append(tuple(self._queue.popleft()))
             try:
                 self._send(marshal.dumps(("spans", batch)))
             except (BrokenPipeError, OSError, ValueError):
