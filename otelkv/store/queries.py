@@ -323,8 +323,7 @@ def trace_spans(store: TraceStore, trace_ids: Sequence[str]) -> list[SpanRecord]
         {"trace_ids": ids},
     )
     params: dict[str, Any] = {"trace_ids": ids}
-    # The lookup keeps whole seconds: a trace lies in [Start, End + 1 s).
-    ranges = [(int(r["Start"]) * 10**9, (int(r["End"]) + 1) * 10**9) for r in known]
+    ranges = list(map(_lookup_range, known))
     where = [_in_ranges(ranges, params)] if ranges else []
     unknown = sorted(set(ids) - {str(r["TraceId"]) for r in known})
     if unknown:
@@ -355,6 +354,13 @@ def turn_trace_spans(store: TraceStore, trace_id: str) -> list[SpanRecord]:
         turns = [(trace_id, str(r["ConversationId"]), int(r["StartNs"])) for r in rows]
         ids += _previous_guesses(store, index, turns)
     return trace_spans(store, ids)
+
+
+def _lookup_range(row: dict[str, Any]) -> tuple[int, int]:
+    """A trace's time range from its ``otel_traces_trace_id_ts`` row (``Start``, ``End`` in
+    Unix seconds) as ``[start, end)`` in ns: the lookup keeps whole seconds, so the trace
+    lies in ``[Start, End + 1 s)``."""
+    return int(row["Start"]) * 10**9, (int(row["End"]) + 1) * 10**9
 
 
 def _in_ranges(ranges: Sequence[tuple[int, int]], params: dict[str, Any]) -> str:
@@ -555,15 +561,68 @@ LIMIT 1"""
     return spans[0] if spans else None
 
 
+PREFIX_CANDIDATES = 1000
+"""Most trace ids starting with a prefix that :func:`traces_with_prefix` checks one by one;
+a prefix shared by more is looked for in ``otel_traces`` at once."""
+
+
 def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> list[str]:
     """Trace ids starting with ``prefix`` (lower-case hex) whose trace holds a turn span or an
     engine request (what ``otelkv why`` can explain), sorted, at most ``limit``.
 
     The lookup table ``otel_traces_trace_id_ts`` is ordered by trace id, so the prefix is a
-    range of its primary key; its time bounds then keep the big table's read to the
-    partitions those traces live in. With no match in the lookup (rows inserted before the
-    view existed) the big table is scanned, as :func:`trace_spans` falls back.
+    range of its primary key: it names the candidates and their time ranges. Those with a
+    turn row in the span index are turns (a range of the index's key each); only the others
+    are looked for in ``otel_traces`` (turn spans the index lacks, engine requests), in
+    their own time ranges. With no match in the lookup (rows inserted before the view
+    existed), or more than :data:`PREFIX_CANDIDATES`, ``otel_traces`` is searched by
+    prefix, as :func:`trace_spans` falls back.
     """
+    limit = max(0, int(limit))
+    _, lookup = _tables(store)
+    rows = store.query(
+        f"SELECT TraceId, toUnixTimestamp(min(Start)) AS Start, toUnixTimestamp(max(End)) AS End\n"
+        f"FROM {lookup}\nWHERE startsWith(TraceId, {{prefix:String}})\nGROUP BY TraceId\n"
+        "LIMIT {most:UInt64}",
+        {"prefix": prefix, "most": PREFIX_CANDIDATES + 1},
+    )
+    if not rows or len(rows) > PREFIX_CANDIDATES:
+        return _traces_with_prefix_scan(store, prefix, limit)
+    ranges = {str(r["TraceId"]): _lookup_range(r) for r in rows}
+    found = _indexed_turn_traces(store, ranges)
+    rest = {t: r for t, r in ranges.items() if t not in found}
+    if rest:
+        table, _ = _tables(store)
+        params: dict[str, Any] = {"trace_ids": sorted(rest)}
+        checked = store.query(
+            f"SELECT DISTINCT TraceId\nFROM {table}\nWHERE TraceId IN {{trace_ids:Array(String)}}\n"
+            f"  AND {_in_ranges(list(rest.values()), params)}\n"
+            f"  AND ({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS})",
+            params,
+        )
+        found.update(str(r["TraceId"]) for r in checked)
+    return sorted(found)[:limit]
+
+
+def _indexed_turn_traces(store: TraceStore, ranges: dict[str, tuple[int, int]]) -> set[str]:
+    """Which of the traces (id -> time range, :func:`_lookup_range`) have a turn row in the
+    span index; none without one."""
+    index = _index_table(store)
+    if index is None:
+        return set()
+    params: dict[str, Any] = {"trace_ids": sorted(ranges)}
+    rows = store.query(
+        f"SELECT DISTINCT TraceId\nFROM {index}\n"
+        f"WHERE {_INDEX_TURNS} AND TraceId IN {{trace_ids:Array(String)}}\n"
+        f"  AND {_in_ranges(list(ranges.values()), params)}",
+        params,
+    )
+    return {str(r["TraceId"]) for r in rows}
+
+
+def _traces_with_prefix_scan(store: TraceStore, prefix: str, limit: int) -> list[str]:
+    """:func:`traces_with_prefix` in ``otel_traces`` by prefix, kept to the lookup's time
+    bounds for the prefix when it has any."""
     table, lookup = _tables(store)
     sql = f"""\
 WITH
@@ -576,7 +635,7 @@ WHERE startsWith(TraceId, {{prefix:String}})
   AND (trace_start IS NULL OR (Timestamp >= trace_start AND Timestamp <= trace_end))
 ORDER BY TraceId
 LIMIT {{limit:UInt64}}"""
-    rows = store.query(sql, {"prefix": prefix, "limit": max(0, int(limit))})
+    rows = store.query(sql, {"prefix": prefix, "limit": limit})
     return [str(row["TraceId"]) for row in rows]
 
 

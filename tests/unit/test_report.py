@@ -288,11 +288,14 @@ ID1 = "abcd1234" + "2" * 24
 ID2 = "ef012345" + "3" * 24
 TOOL_TRACE = "abcd9999" + "4" * 24
 """An agent's tool-call trace: shares the prefix ``abcd`` but holds no turn."""
+ENGINE_TRACE = "abcd5555" + "5" * 24
+"""An engine request whose trace holds no turn (no sidecar in front): shares ``abcd`` too."""
 
 
 def short_id_spans(shift_ns: int = 0) -> list[SpanRecord]:
-    """conv-lapse with trace ids chosen here (two share ``abcd``), plus a tool span whose trace
-    id shares it too, all moved ``shift_ns`` (a store drops spans older than its retention)."""
+    """conv-lapse with trace ids chosen here (two share ``abcd``), plus a tool span and an
+    engine request whose trace ids share it too, all moved ``shift_ns`` (a store drops spans
+    older than its retention)."""
     import dataclasses
 
     spans = lapse_conversation()
@@ -321,7 +324,18 @@ def short_id_spans(shift_ns: int = 0) -> list[SpanRecord]:
         {names.GEN_AI_OPERATION_NAME: "execute_tool", names.GEN_AI_CONVERSATION_ID: "conv-lapse"},
         {},
     )
-    return [*out, tool]
+    request = SpanRecord(
+        ENGINE_TRACE,
+        "00000000000000fd",
+        "",
+        "kv_request prefill",
+        "Internal",
+        T0 + 200 * S + shift_ns,
+        T0 + 201 * S + shift_ns,
+        {names.ROLE: names.ROLE_PREFILL},
+        {},
+    )
+    return [*out, tool, request]
 
 
 def check_short_ids(source: Any) -> None:
@@ -331,8 +345,9 @@ def check_short_ids(source: Any) -> None:
     assert why(source, ID1[:8].upper())["turn"]["turn_index"] == 1
     assert why(source, "ef01")["turn"]["trace_id"] == ID2  # any unique prefix of 4 or more
     assert why(source, ID0[:20])["turn"]["turn_index"] == 0
-    with pytest.raises(BadRef, match=r"^abcd is ambiguous: 2 turns have a trace id starting with it"):
-        why(source, "abcd")  # ID0 and ID1; the tool trace is no turn
+    assert why(source, ENGINE_TRACE[:8])["turn"]["trace_id"] == ENGINE_TRACE  # an engine request alone
+    with pytest.raises(BadRef, match=r"^abcd is ambiguous: 3 turns have a trace id starting with it"):
+        why(source, "abcd")  # ID0, ID1 and the engine request; the tool trace is no turn
     with pytest.raises(NotFound, match=r"^no turn's trace id starts with abcd9999"):
         why(source, "abcd9999")  # a trace, but no turn in it
     with pytest.raises(NotFound, match=r"^no turn's trace id starts with ffff0000"):
@@ -398,7 +413,7 @@ class _ChdbOverHttp:
 
 
 def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same lookup on a real chDB store, through the ClickHouse HTTP store (same SQL on
     the chDB engine) and through the sidecar's query API, with the CLI's exit codes."""
@@ -410,6 +425,7 @@ def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
 
     from otelkv.cli.main import main
     from otelkv.sidecar.api import QueryApi
+    from otelkv.store import queries, schema
     from otelkv.store.chdb_store import ChdbStore
     from otelkv.store.clickhouse_http import ClickHouseHttpStore
 
@@ -423,6 +439,9 @@ def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
         assert store.insert_spans(spans) == len(spans)
         check_short_ids(StoreSource(store))
         check_short_ids(StoreSource(ClickHouseHttpStore(http.url, create_schema=False)))
+        store.span_index = False  # a fleet's ClickHouse without the span index
+        check_short_ids(StoreSource(store))
+        store.span_index = True
 
         app = web.Application()
         app.add_routes(QueryApi(StoreSource(store), "chdb").routes())
@@ -437,9 +456,16 @@ def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
         assert json.loads(capsys.readouterr().out)["turn"]["trace_id"] == ID1
         assert main(["why", "abcd", "--sidecar", url]) == 2  # ambiguous: the input's fault
         err = capsys.readouterr().err
-        assert err.startswith("otelkv why: abcd is ambiguous: 2 turns") and err.count("\n") == 1
+        assert err.startswith("otelkv why: abcd is ambiguous: 3 turns") and err.count("\n") == 1
         assert main(["why", "ffff0000", "--sidecar", url]) == 3  # not found
         assert "no turn's trace id starts with ffff0000" in capsys.readouterr().err
+
+        # A prefix shared by more traces than are checked one by one, then spans the trace-id
+        # lookup lacks (inserted before its view existed): otel_traces is searched by prefix.
+        monkeypatch.setattr(queries, "PREFIX_CANDIDATES", 2)
+        check_short_ids(StoreSource(store))
+        store.query(f"TRUNCATE TABLE otel.{schema.TRACE_ID_TS_TABLE}")
+        check_short_ids(StoreSource(store))
     finally:
         if serving.is_alive():
             loop.call_soon_threadsafe(loop.stop)

@@ -605,7 +605,7 @@ def test_a_store_from_before_the_span_index_is_indexed_when_opened(tmp_path: Pat
 def test_a_turn_is_read_with_the_turn_before_it_in_the_hour_before(store: ChdbStore) -> None:
     """why's and slow's reads take the latest earlier turn of the conversation in the hour
     before a turn along with it (a guess the linker checks); none beyond the hour, none
-    without a conversation id."""
+    without a conversation id; the same when the trace-id lookup lacks the traces."""
     hour = 3600 * SEC
     turns = [
         turn("g", 0, NOW - 3 * hour, 1.0, 1.0, "g0"),
@@ -632,6 +632,10 @@ def test_a_turn_is_read_with_the_turn_before_it_in_the_hour_before(store: ChdbSt
         assert queries.slowest_turns(store, since_ns=None, until_ns=None, limit=3) == (slowest, {})
     finally:
         store.span_index = True
+    whole = queries.turn_trace_spans(store, ids["g1"])
+    store.query("TRUNCATE TABLE otel.otel_traces_trace_id_ts")  # spans from before its view
+    assert queries.turn_trace_spans(store, ids["g1"]) == whole
+    assert traces(queries.turn_trace_spans(store, ids["g2"])) == {ids["g2"]}
 
 
 def test_the_sidecar_lets_the_embedded_store_take_a_backlog_in_larger_inserts(tmp_path: Any) -> None:
