@@ -169,14 +169,14 @@ def bench_ingest(n: int, batch_size: int, repeats: int) -> dict[str, float]:
     ``batch_size`` is what the writer is handed per submit and what the raw and
     insert_spans arms insert per statement. The writer runs as the sidecar configures it
     for chDB and is handed every batch at once: it always has a backlog (the case where
-    its rate matters), so it inserts up to ``BatchWriter.BACKLOG_BATCH_SPANS`` at a time.
+    its rate matters), so it inserts up to ``ChdbStore.largest_insert_spans`` at a time.
     The raw_max arm inserts batches of that size, and writer/best raw compares the writer
     with the faster of chDB's two raw rates; when ``batch_size`` is that size already,
     raw_max is not run (it would be raw again) and best raw is raw."""
     spans = synthetic_spans(n, time.time_ns() - 3600 * 10**9)
     batches = [spans[i : i + batch_size] for i in range(0, len(spans), batch_size)]
     prebuilt = [spans_to_arrow(batch) for batch in batches]
-    largest = BatchWriter.BACKLOG_BATCH_SPANS
+    largest = ChdbStore.largest_insert_spans
     with_max = batch_size != largest
     prebuilt_max = (
         [spans_to_arrow(spans[i : i + largest]) for i in range(0, len(spans), largest)] if with_max else []
@@ -190,7 +190,7 @@ def bench_ingest(n: int, batch_size: int, repeats: int) -> dict[str, float]:
         try:
 
             def writer_pass() -> None:
-                writer = BatchWriter(store, max_queue_spans=n, max_batch_spans=largest)
+                writer = BatchWriter(store, max_queue_spans=n)  # as the sidecar: the store's largest insert
                 for batch in batches:
                     assert writer.submit(batch)
                 assert writer.flush(timeout=600)
@@ -444,7 +444,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--batches",
-        default=f"{BATCH},{BatchWriter.BACKLOG_BATCH_SPANS}",
+        default=f"{BATCH},{ChdbStore.largest_insert_spans}",
         help="comma-separated batch sizes (submitted to the writer, inserted raw), one after the other",
     )
     args = parser.parse_args()
@@ -452,7 +452,7 @@ def main() -> None:
     if args.spans:
         print(f"ingest: {args.spans:,} spans a pass, {args.repeats} rounds of one pass per arm")
         cols = ("writer", "insert_spans", "raw", "raw_max", "build", "writer/raw", "writer/best raw")
-        largest = BatchWriter.BACKLOG_BATCH_SPANS
+        largest = ChdbStore.largest_insert_spans
         print(f"  raw_max: chDB's raw insert in batches of {largest:,}, the largest the writer makes")
         print(f"  {'batch':>6}" + "".join(f"{c:>16}" for c in cols) + "   (spans/s, ratios)")
         for size in [int(b) for b in args.batches.split(",")]:

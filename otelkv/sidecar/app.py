@@ -242,17 +242,15 @@ class Sidecar:
         from otelkv.store import open_store
         from otelkv.store.writer import BatchWriter
 
-        backlog_batch: int | None = None
         if cfg.clickhouse_url:
             self.store = open_store(clickhouse_url=cfg.clickhouse_url, retention_days=cfg.retention_days)
         else:
             assert cfg.store_path is not None
             cfg.store_path.mkdir(parents=True, exist_ok=True)
             self.store = open_store(path=cfg.store_path, retention_days=cfg.retention_days)
-            backlog_batch = BatchWriter.BACKLOG_BATCH_SPANS  # chDB: larger inserts cost less a span
+        # The writer takes a backlog in the largest inserts the store declares.
         self.writer = BatchWriter(
             self.store,
-            max_batch_spans=backlog_batch,
             flush_interval_s=cfg.store_flush_s,
             on_drop=self._on_drop,
         )

@@ -61,6 +61,12 @@ def _holds_lock(path: Path) -> bool:
 class ChdbStore:
     """``otel_traces`` in a chDB directory; thread-safe (one lock around the session)."""
 
+    largest_insert_spans = 20_000
+    """The most spans a :class:`~otelkv.store.writer.BatchWriter` puts in one insert when it
+    has a backlog: chDB's cost per span falls with the insert's size (an insert's cost is
+    mostly per insert: parts written for the table and each view), and fewer parts are
+    left to merge (``bench/store_ingest.py``, its raw_max arm)."""
+
     def __init__(
         self,
         path: Path | str,

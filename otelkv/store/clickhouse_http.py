@@ -42,6 +42,10 @@ def _ts_text(ns: int) -> str:
 class ClickHouseHttpStore:
     """``otel_traces`` on a ClickHouse server, through ``http(s)://user:pass@host:8123``."""
 
+    largest_insert_spans = None
+    """No larger inserts for a backlog: a writer keeps its ``batch_spans`` (the inserts are
+    JSON bodies sent under a timeout, and larger ones were not measured)."""
+
     def __init__(
         self,
         url: str,

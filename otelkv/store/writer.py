@@ -10,12 +10,11 @@ the time of the slower of the two instead of their sum (``bench/store_ingest.py`
 
 A batch is due when ``batch_spans`` spans are queued, ``flush_interval_s`` has passed
 or a caller flushes. The encoder takes it only once the inserter has taken the previous
-one, and then takes all that is queued up to ``max_batch_spans`` (``batch_spans`` unless
-given): when the store falls behind, the backlog goes in fewer, larger inserts. The
-sidecar allows the embedded chDB store :data:`BatchWriter.BACKLOG_BATCH_SPANS`, where an
-insert of 20,000 spans costs less per span than four of 5,000 and leaves fewer parts to
-merge; a ClickHouse server over HTTP keeps ``batch_spans`` (its inserts are JSON bodies
-sent under a timeout, and larger ones were not measured). At most two batches are out of
+one, and then takes all that is queued up to ``max_batch_spans``: when the store falls
+behind, the backlog goes in fewer, larger inserts. Unless the caller gives it,
+``max_batch_spans`` is the largest insert the store declares
+(``store.largest_insert_spans``: the embedded chDB store's, where an insert of 20,000
+spans costs less per span than four of 5,000), else ``batch_spans``. At most two batches are out of
 the queue at once, one being encoded or waiting, one being inserted; batches are inserted
 in the order they were taken. When the queue is full the *new* spans are dropped and
 counted (what is queued is older and already paid for); when the store fails (encoding
@@ -54,8 +53,6 @@ class BatchWriter:
 
     BATCH_SPANS = 5000
     """The default ``batch_spans``: a batch is due once this many spans are queued."""
-    BACKLOG_BATCH_SPANS = 4 * BATCH_SPANS
-    """The ``max_batch_spans`` the sidecar gives a writer into the embedded chDB store."""
 
     def __init__(
         self,
@@ -70,7 +67,7 @@ class BatchWriter:
         if max_queue_spans < 1 or batch_spans < 1:
             raise ValueError("max_queue_spans and batch_spans must be >= 1")
         if max_batch_spans is None:
-            max_batch_spans = batch_spans
+            max_batch_spans = max(getattr(store, "largest_insert_spans", None) or 0, batch_spans)
         if max_batch_spans < batch_spans:
             raise ValueError("max_batch_spans must be >= batch_spans")
         self.store = store

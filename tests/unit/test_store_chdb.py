@@ -649,7 +649,7 @@ def test_the_sidecar_lets_the_embedded_store_take_a_backlog_in_larger_inserts(tm
     try:
         assert sidecar.writer is not None
         assert sidecar.writer.batch_spans == BatchWriter.BATCH_SPANS
-        assert sidecar.writer.max_batch_spans == BatchWriter.BACKLOG_BATCH_SPANS > BatchWriter.BATCH_SPANS
+        assert sidecar.writer.max_batch_spans == ChdbStore.largest_insert_spans > BatchWriter.BATCH_SPANS
     finally:
         assert sidecar.writer is not None and sidecar.writer.close()
         sidecar.store.close()

@@ -133,6 +133,24 @@ def test_a_backlog_goes_in_larger_batches_up_to_the_cap() -> None:
     writer.close()
 
 
+def test_a_backlog_goes_in_the_largest_inserts_the_store_declares() -> None:
+    """Unless the caller says, ``max_batch_spans`` is the store's ``largest_insert_spans``
+    (never below ``batch_spans``); a store that declares none keeps ``batch_spans``."""
+
+    class Declaring(FakeStore):
+        largest_insert_spans: int | None = 40
+
+    for declared, given, expected in ((40, None, 40), (40, 12, 12), (3, None, 10), (None, None, 10)):
+        store = Declaring()
+        store.largest_insert_spans = declared
+        writer = BatchWriter(store, batch_spans=10, max_batch_spans=given)
+        assert writer.max_batch_spans == expected, (declared, given)
+        writer.close()
+    writer = BatchWriter(FakeStore(), batch_spans=10)
+    assert writer.max_batch_spans == 10
+    writer.close()
+
+
 def test_max_batch_spans_below_batch_spans_is_refused() -> None:
     with pytest.raises(ValueError, match="max_batch_spans"):
         BatchWriter(FakeStore(), batch_spans=10, max_batch_spans=5)
