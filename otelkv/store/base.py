@@ -19,7 +19,12 @@ class StoreError(Exception):
 
 @runtime_checkable
 class TraceStore(Protocol):
-    """An ``otel_traces`` store (schema of :mod:`otelkv.store.schema`)."""
+    """An ``otel_traces`` store (schema of :mod:`otelkv.store.schema`).
+
+    Optional attributes its users read with a default: ``span_index`` (True when the store
+    has the span index; :mod:`otelkv.store.queries` reads without it otherwise) and
+    ``largest_insert_spans`` (the most spans a :class:`~otelkv.store.writer.BatchWriter`
+    puts in one insert of a backlog; None or absent: its ``batch_spans``)."""
 
     database: str
 

@@ -561,9 +561,11 @@ LIMIT 1"""
     return spans[0] if spans else None
 
 
-PREFIX_CANDIDATES = 1000
+PREFIX_CANDIDATES = 64
 """Most trace ids starting with a prefix that :func:`traces_with_prefix` checks one by one;
-a prefix shared by more is looked for in ``otel_traces`` at once."""
+a prefix shared by more is looked for in ``otel_traces`` by prefix. The ids travel as
+query parameters, which a ClickHouse server over HTTP takes in the URL: 64 ids keep it
+near 3 KB, under the 8 KB a proxy in front of the server may allow for a request line."""
 
 
 def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> list[str]:
@@ -574,9 +576,11 @@ def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> l
     range of its primary key: it names the candidates and their time ranges. Those with a
     turn row in the span index are turns (a range of the index's key each); only the others
     are looked for in ``otel_traces`` (turn spans the index lacks, engine requests), in
-    their own time ranges. With no match in the lookup (rows inserted before the view
-    existed), or more than :data:`PREFIX_CANDIDATES`, ``otel_traces`` is searched by
-    prefix, as :func:`trace_spans` falls back.
+    their own time ranges. When that finds none (a prefix of no turn, or of traces the
+    lookup lacks: spans inserted before its view existed), ``otel_traces`` is searched by
+    prefix, as before the lookup; with more than :data:`PREFIX_CANDIDATES` candidates, by
+    prefix within the lookup's bounds for the prefix. A turn the lookup lacks beside one it
+    holds is not counted.
     """
     limit = max(0, int(limit))
     _, lookup = _tables(store)
@@ -586,10 +590,10 @@ def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> l
         "LIMIT {most:UInt64}",
         {"prefix": prefix, "most": PREFIX_CANDIDATES + 1},
     )
-    if not rows or len(rows) > PREFIX_CANDIDATES:
-        return _traces_with_prefix_scan(store, prefix, limit)
+    if len(rows) > PREFIX_CANDIDATES:
+        return _traces_with_prefix_scan(store, prefix, limit, bounded=True)
     ranges = {str(r["TraceId"]): _lookup_range(r) for r in rows}
-    found = _indexed_turn_traces(store, ranges)
+    found = _indexed_turn_traces(store, ranges) if ranges else set()
     rest = {t: r for t, r in ranges.items() if t not in found}
     if rest:
         table, _ = _tables(store)
@@ -601,6 +605,8 @@ def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> l
             params,
         )
         found.update(str(r["TraceId"]) for r in checked)
+    if not found:  # none, or only traces the lookup lacks (spans from before its view)
+        return _traces_with_prefix_scan(store, prefix, limit, bounded=False)
     return sorted(found)[:limit]
 
 
@@ -620,19 +626,20 @@ def _indexed_turn_traces(store: TraceStore, ranges: dict[str, tuple[int, int]]) 
     return {str(r["TraceId"]) for r in rows}
 
 
-def _traces_with_prefix_scan(store: TraceStore, prefix: str, limit: int) -> list[str]:
-    """:func:`traces_with_prefix` in ``otel_traces`` by prefix, kept to the lookup's time
-    bounds for the prefix when it has any."""
+def _traces_with_prefix_scan(store: TraceStore, prefix: str, limit: int, *, bounded: bool) -> list[str]:
+    """:func:`traces_with_prefix` in ``otel_traces`` by prefix; with ``bounded``, kept to the
+    lookup's time bounds for the prefix (many candidates: their traces lie there)."""
     table, lookup = _tables(store)
+    within = ""
+    if bounded:
+        within = f"""
+  AND Timestamp >= (SELECT min(Start) FROM {lookup} WHERE startsWith(TraceId, {{prefix:String}}))
+  AND Timestamp < (SELECT max(End) + 1 FROM {lookup} WHERE startsWith(TraceId, {{prefix:String}}))"""
     sql = f"""\
-WITH
-    (SELECT minOrNull(Start) FROM {lookup} WHERE startsWith(TraceId, {{prefix:String}})) AS trace_start,
-    (SELECT maxOrNull(End) + 1 FROM {lookup} WHERE startsWith(TraceId, {{prefix:String}})) AS trace_end
 SELECT DISTINCT TraceId
 FROM {table}
 WHERE startsWith(TraceId, {{prefix:String}})
-  AND ({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS})
-  AND (trace_start IS NULL OR (Timestamp >= trace_start AND Timestamp <= trace_end))
+  AND ({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS}){within}
 ORDER BY TraceId
 LIMIT {{limit:UInt64}}"""
     rows = store.query(sql, {"prefix": prefix, "limit": limit})

@@ -12,9 +12,10 @@ A batch is due when ``batch_spans`` spans are queued, ``flush_interval_s`` has p
 or a caller flushes. The encoder takes it only once the inserter has taken the previous
 one, and then takes all that is queued up to ``max_batch_spans``: when the store falls
 behind, the backlog goes in fewer, larger inserts. Unless the caller gives it,
-``max_batch_spans`` is the largest insert the store declares
-(``store.largest_insert_spans``: the embedded chDB store's, where an insert of 20,000
-spans costs less per span than four of 5,000), else ``batch_spans``. At most two batches are out of
+``max_batch_spans`` is the largest insert the store declares, never below
+``batch_spans`` (``store.largest_insert_spans``: the embedded chDB store's, where an
+insert of 20,000 spans costs less per span than four of 5,000), else ``batch_spans``.
+At most two batches are out of
 the queue at once, one being encoded or waiting, one being inserted; batches are inserted
 in the order they were taken. When the queue is full the *new* spans are dropped and
 counted (what is queued is older and already paid for); when the store fails (encoding

@@ -418,6 +418,7 @@ def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
     """The same lookup on a real chDB store, through the ClickHouse HTTP store (same SQL on
     the chDB engine) and through the sidecar's query API, with the CLI's exit codes."""
     import asyncio
+    import dataclasses
     import threading
     import time
 
@@ -440,8 +441,10 @@ def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
         check_short_ids(StoreSource(store))
         check_short_ids(StoreSource(ClickHouseHttpStore(http.url, create_schema=False)))
         store.span_index = False  # a fleet's ClickHouse without the span index
-        check_short_ids(StoreSource(store))
-        store.span_index = True
+        try:
+            check_short_ids(StoreSource(store))
+        finally:
+            store.span_index = True
 
         app = web.Application()
         app.add_routes(QueryApi(StoreSource(store), "chdb").routes())
@@ -460,11 +463,17 @@ def test_short_ids_on_chdb_clickhouse_and_the_sidecar_api(
         assert main(["why", "ffff0000", "--sidecar", url]) == 3  # not found
         assert "no turn's trace id starts with ffff0000" in capsys.readouterr().err
 
-        # A prefix shared by more traces than are checked one by one, then spans the trace-id
-        # lookup lacks (inserted before its view existed): otel_traces is searched by prefix.
-        monkeypatch.setattr(queries, "PREFIX_CANDIDATES", 2)
-        check_short_ids(StoreSource(store))
+        # A prefix shared by more traces than are checked one by one: searched by prefix.
+        with monkeypatch.context() as patched:
+            patched.setattr(queries, "PREFIX_CANDIDATES", 2)
+            check_short_ids(StoreSource(store))
+        # Spans the trace-id lookup lacks (inserted before its view existed): found by prefix,
+        # also when the lookup names only a trace sharing the prefix that holds no turn.
         store.query(f"TRUNCATE TABLE otel.{schema.TRACE_ID_TS_TABLE}")
+        check_short_ids(StoreSource(store))
+        tool = next(s for s in spans if s.trace_id == TOOL_TRACE)
+        assert store.insert_spans([dataclasses.replace(tool, trace_id="abcd7777" + "6" * 24)]) == 1
+        assert queries.traces_with_prefix(store, "abcd7777") == []
         check_short_ids(StoreSource(store))
     finally:
         if serving.is_alive():
