@@ -15,12 +15,11 @@ behind, the backlog goes in fewer, larger inserts. Unless the caller gives it,
 ``max_batch_spans`` is the largest insert the store declares, never below
 ``batch_spans`` (``store.largest_insert_spans``: the embedded chDB store's, where an
 insert of 20,000 spans costs less per span than four of 5,000), else ``batch_spans``.
-At most two batches are out of
-the queue at once, one being encoded or waiting, one being inserted; batches are inserted
-in the order they were taken. When the queue is full the *new* spans are dropped and
-counted (what is queued is older and already paid for); when the store fails (encoding
-or inserting) the batch is dropped, counted, logged at most once a minute, and the
-writer carries on.
+At most two batches are out of the queue at once, one being encoded or waiting, one
+being inserted; batches are inserted in the order they were taken. When the queue is
+full the *new* spans are dropped and counted (what is queued is older and already paid
+for); when the store fails (encoding or inserting) the batch is dropped, counted, logged
+at most once a minute, and the writer carries on.
 
 The threads keep their process's CPU priority on purpose: a writer at nice 10 (tried)
 made every other thread of the process - OTLP receiver, turn spans, and in the reference
