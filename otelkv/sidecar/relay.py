@@ -158,7 +158,6 @@ class _Upstream(asyncio.Protocol):
         self.parser: httptools.HttpResponseParser | None = None
         self.closed = False
         self.idle_since = 0.0
-        self.reused = False  # taken from the pool (it waited there idle), not freshly connected
         self._headers: list[tuple[bytes, bytes]] = []
         self._status = 0
         self._head_done = False
@@ -200,9 +199,7 @@ class _Upstream(asyncio.Protocol):
             self._complete = True  # a response delimited by the connection's end
             self._done()
         elif not self._got_bytes:
-            self._fail(
-                "upstream closed the connection before answering", nothing_sent=True, retry=self.reused
-            )
+            self._fail("upstream closed the connection before answering", nothing_sent=True)
         else:
             self._fail("upstream closed mid-response")
 
@@ -270,12 +267,12 @@ class _Upstream(asyncio.Protocol):
         if client is not None:
             client.exchange_done(self._status, None, keep_client=keep_client)
 
-    def _fail(self, error: str, *, nothing_sent: bool = False, retry: bool = False) -> None:
+    def _fail(self, error: str, *, nothing_sent: bool = False) -> None:
         client, self.client = self.client, None
         self.parser = None
         self._abort()
         if client is not None:
-            client.exchange_failed(error, nothing_sent=nothing_sent, status=self._status, retry=retry)
+            client.exchange_failed(error, nothing_sent=nothing_sent, status=self._status)
 
     def _abort(self) -> None:
         self.closed = True
@@ -310,7 +307,6 @@ class UpstreamPool:
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < UPSTREAM_IDLE_S:
-                conn.reused = True
                 return conn
             conn._abort()
         return None
@@ -585,10 +581,10 @@ class _Client(asyncio.Protocol):
             return
         self._advance()
 
-    def exchange_failed(self, error: str, *, nothing_sent: bool, status: int, retry: bool = False) -> None:
+    def exchange_failed(self, error: str, *, nothing_sent: bool, status: int) -> None:
         self.upstream = None
-        sent, self._sent = self._sent, None
-        if nothing_sent and retry and sent is not None and self.current is not None and not self.closing:
+        sent, self._sent = self._sent, None  # set only while a pooled connection owes the answer
+        if nothing_sent and sent is not None and self.current is not None and not self.closing:
             self.relay.count("upstream_retries")
             self.relay.loop.create_task(self._connect_and_send(*sent, self.current))
             return
