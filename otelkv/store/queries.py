@@ -583,7 +583,7 @@ def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> l
     holds is not counted.
     """
     limit = max(0, int(limit))
-    _, lookup = _tables(store)
+    table, lookup = _tables(store)
     rows = store.query(
         f"SELECT TraceId, toUnixTimestamp(min(Start)) AS Start, toUnixTimestamp(max(End)) AS End\n"
         f"FROM {lookup}\nWHERE startsWith(TraceId, {{prefix:String}})\nGROUP BY TraceId\n"
@@ -593,33 +593,27 @@ def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> l
     if len(rows) > PREFIX_CANDIDATES:
         return _traces_with_prefix_scan(store, prefix, limit, bounded=True)
     ranges = {str(r["TraceId"]): _lookup_range(r) for r in rows}
-    found = _indexed_turn_traces(store, ranges) if ranges else set()
+    index = _index_table(store)
+    found = _traces_where(store, index, _INDEX_TURNS, ranges) if index is not None else set()
     rest = {t: r for t, r in ranges.items() if t not in found}
-    if rest:
-        table, _ = _tables(store)
-        params: dict[str, Any] = {"trace_ids": sorted(rest)}
-        checked = store.query(
-            f"SELECT DISTINCT TraceId\nFROM {table}\nWHERE TraceId IN {{trace_ids:Array(String)}}\n"
-            f"  AND {_in_ranges(list(rest.values()), params)}\n"
-            f"  AND ({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS})",
-            params,
-        )
-        found.update(str(r["TraceId"]) for r in checked)
+    found |= _traces_where(store, table, f"({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS})", rest)
     if not found:  # none, or only traces the lookup lacks (spans from before its view)
         return _traces_with_prefix_scan(store, prefix, limit, bounded=False)
     return sorted(found)[:limit]
 
 
-def _indexed_turn_traces(store: TraceStore, ranges: dict[str, tuple[int, int]]) -> set[str]:
-    """Which of the traces (id -> time range, :func:`_lookup_range`) have a turn row in the
-    span index; none without one."""
-    index = _index_table(store)
-    if index is None:
+def _traces_where(
+    store: TraceStore, table: str, condition: str, ranges: dict[str, tuple[int, int]]
+) -> set[str]:
+    """Which of the traces (id -> time range, :func:`_lookup_range`) have a row of ``table``
+    meeting ``condition`` in their range (the span index's turn rows, or ``otel_traces``'
+    turn spans and engine requests)."""
+    if not ranges:
         return set()
     params: dict[str, Any] = {"trace_ids": sorted(ranges)}
     rows = store.query(
-        f"SELECT DISTINCT TraceId\nFROM {index}\n"
-        f"WHERE {_INDEX_TURNS} AND TraceId IN {{trace_ids:Array(String)}}\n"
+        f"SELECT DISTINCT TraceId\nFROM {table}\n"
+        f"WHERE {condition} AND TraceId IN {{trace_ids:Array(String)}}\n"
         f"  AND {_in_ranges(list(ranges.values()), params)}",
         params,
     )
