@@ -272,7 +272,7 @@ def check(
     if (
         hashing is None
         or parsed.block_size != hashing.block_size
-        or parsed.seed_text != _seed_text(hashing.seed)
+        or parsed.seed_text != hashing.seed_text
         or len(block_hashes) != n_tokens // hashing.block_size
         or type(block_hashes[0] if block_hashes else b"") is not bytes
     ):
