@@ -41,6 +41,24 @@ store's merges run beside its inserts on the same cores. Merges into Compact par
 """
 
 
+_INSERT_SETTINGS = ("materialize_skip_indexes_on_insert = 0", "enable_analyzer = 0")
+"""Settings of every embedded-store insert (and so of the views it runs).
+
+* ``materialize_skip_indexes_on_insert = 0``: skip indexes are built when parts merge,
+  not on insert: a 5000-span part then has 13 files instead of 27 (two per index) and
+  its insert skips the bloom-filter work; merges build every index for the parts they
+  write. Until its first merge a fresh part (a few thousand rows) is read without index
+  pruning.
+* ``enable_analyzer = 0``: ClickHouse analyzes the two materialized views' queries again
+  for every insert, and its default (new) analyzer spends about 10 ms of CPU more on that
+  than the old one, whatever the insert's size; an insert of a few spans, the sidecar's
+  usual one, cost 33 ms with it and 20 ms without (``bench/store_insert_cost.py``). The
+  views' rows are the same (``tests/unit/test_store_chdb.py``). Reads keep the default.
+  A chDB that no longer knows the setting inserts without it (checked when the store
+  opens).
+"""
+
+
 def _holds_lock(path: Path) -> bool:
     """True when another process holds ClickHouse's ``status`` lock in ``path``."""
     status = path / "status"
@@ -85,15 +103,6 @@ class ChdbStore:
         self.span_index = True
         """The store has the span index (:mod:`otelkv.store.schema`): always, it creates it."""
         self._table = f"{schema.quote_ident(database)}.{schema.quote_ident(schema.TRACES_TABLE)}"
-        # Skip indexes are built when parts merge, not on insert: a 5000-span part then
-        # has 13 files instead of 27 (two per index) and its insert skips the bloom-filter
-        # work; merges build every index for the parts they write. Until its first merge
-        # a fresh part (a few thousand rows) is read without index pruning.
-        self._insert_sql = (
-            f"INSERT INTO {self._table} ({', '.join(f'`{c}`' for c in schema.COLUMNS)}) "
-            "SETTINGS materialize_skip_indexes_on_insert = 0 "
-            "SELECT * FROM Python(_otelkv_arrow_batch)"
-        )
         if _holds_lock(self.path):
             raise StoreError(self._busy_message())
         self.path.mkdir(parents=True, exist_ok=True)
@@ -123,6 +132,21 @@ class ChdbStore:
         except RuntimeError as exc:
             self.close()
             raise StoreError(f"cannot create the otel_traces schema in {self.path}: {exc}") from None
+        self.insert_settings = tuple(s for s in _INSERT_SETTINGS if self._accepts(s))
+        """The :data:`_INSERT_SETTINGS` this chDB knows, in every insert's ``SETTINGS``."""
+        settings = f"SETTINGS {', '.join(self.insert_settings)} " if self.insert_settings else ""
+        self._insert_sql = (
+            f"INSERT INTO {self._table} ({', '.join(f'`{c}`' for c in schema.COLUMNS)}) "
+            f"{settings}SELECT * FROM Python(_otelkv_arrow_batch)"
+        )
+
+    def _accepts(self, setting: str) -> bool:
+        """Whether this chDB runs a query with ``setting`` (an unknown one is an error)."""
+        try:
+            self._session.query(f"SELECT 1 SETTINGS {setting}")
+        except RuntimeError:
+            return False
+        return True
 
     def _answer(self, sql: str) -> bytes:
         """A statement's answer as text, stripped (the schema's statements and checks at open)."""

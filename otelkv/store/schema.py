@@ -264,8 +264,12 @@ def index_backfill(database: str = "otel") -> str:
     """Fill the span index from the spans already stored: run once, right after
     :func:`create_statements` created it on a store that had spans (its view sees only
     inserts made after it exists)."""
-    select = _INDEX_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
-    return f"INSERT INTO {quote_ident(database)}.{quote_ident(INDEX_TABLE)}\n{select}"
+    return f"INSERT INTO {quote_ident(database)}.{quote_ident(INDEX_TABLE)}\n{index_select(database)}"
+
+
+def index_select(database: str = "otel") -> str:
+    """The span index's rows for the spans in ``otel_traces``: its view's query."""
+    return _INDEX_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
 
 
 def index_view_without_rates_query(database: str = "otel") -> str:

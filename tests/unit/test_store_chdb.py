@@ -24,7 +24,7 @@ from otelkv.analysis.model import request_compute_rate
 from otelkv.analysis.sources import InMemorySource
 from otelkv.spans import SpanRecord, attr_bool, attr_float, attr_int, is_tool_span
 from otelkv.spans import sql as span_sql
-from otelkv.store import StoreError, open_store, queries
+from otelkv.store import StoreError, open_store, queries, schema
 from otelkv.store.chdb_store import ChdbStore
 
 NOW = time.time_ns() - 3_600 * 10**9
@@ -653,3 +653,78 @@ def test_the_sidecar_lets_the_embedded_store_take_a_backlog_in_larger_inserts(tm
     finally:
         assert sidecar.writer is not None and sidecar.writer.close()
         sidecar.store.close()
+
+
+def test_the_views_write_what_their_queries_select_under_the_default_analyzer(store: ChdbStore) -> None:
+    """Inserts run the views under the old analyzer (cheaper per insert); the span index and
+    the trace-id lookup must hold what the views' queries select from ``otel_traces`` under
+    ClickHouse's default analyzer, which every read uses."""
+    assert "enable_analyzer = 0" in store.insert_settings
+    sidecar = {names.GEN_AI_OPERATION_NAME: names.OPERATION_CHAT, names.GEN_AI_CONVERSATION_ID: "cs"}
+    spans = [
+        *rate_spans(),
+        turn("c1", 0, NOW, 2.0, 2.5, "aa"),
+        turn("c1", 1, NOW + 5 * SEC, 1.0, None, "ab"),
+        span(
+            "ac",
+            "s1",
+            "chat tiny",
+            NOW + 9 * SEC,
+            1.5,
+            {**sidecar, names.TURN_TOTAL_SECONDS: "x"},
+            scope="otelkv.sidecar",
+        ),
+        span(
+            "ad",
+            "s2",
+            "chat",
+            NOW + 9 * SEC,
+            1.5,
+            {names.GEN_AI_OPERATION_NAME: "text_completion"},
+            scope="otelkv.sidecar",
+        ),
+        span(
+            "ae", "s3", "chat tiny", NOW + 9 * SEC, 1.5, {names.GEN_AI_OPERATION_NAME: names.OPERATION_CHAT}
+        ),
+        span("t7", "u1", "execute_tool search", NOW + 5 * SEC, 2.0, {names.GEN_AI_CONVERSATION_ID: "c1"}),
+        span("t7", "u2", "lookup", NOW + 6 * SEC, 2.0, {names.GEN_AI_OPERATION_NAME: "execute_tool"}),
+        span("o1", "u3", "orphan", NOW + 7 * SEC, 0.1, HOSTILE),
+    ]
+    for i in range(0, len(spans), 700):  # several inserts, each running the views
+        store.insert_spans(spans[i : i + 700])
+    columns = (
+        "Kind, toUnixTimestamp64Nano(Timestamp) AS ns, Duration, TraceId, SpanId, ScopeName, "
+        "ConversationId, Latency"
+    )
+    indexed = store.query(f"SELECT {columns} FROM otel.otelkv_span_index ORDER BY ALL")
+    selected = store.query(
+        f"SELECT {columns} FROM ({schema.index_select()}) ORDER BY ALL SETTINGS enable_analyzer = 1"
+    )
+    assert indexed == selected
+    assert {r["Kind"] for r in indexed} == {"turn", "tool", "rate"}
+    assert sum(r["Kind"] == "turn" for r in indexed) == 4  # c1's two, the sidecar's chat and completion
+    looked_up = store.query(
+        "SELECT TraceId, min(Start) AS lo, max(End) AS hi FROM otel.otel_traces_trace_id_ts "
+        "GROUP BY TraceId ORDER BY TraceId"
+    )
+    wanted = store.query(
+        "SELECT TraceId, toDateTime(min(Timestamp)) AS lo, toDateTime(max(Timestamp)) AS hi "
+        "FROM otel.otel_traces WHERE TraceId != '' GROUP BY TraceId ORDER BY TraceId "
+        "SETTINGS enable_analyzer = 1"
+    )
+    assert looked_up == wanted and len(wanted) == len({s.trace_id for s in spans})
+
+
+def test_an_insert_setting_this_chdb_does_not_know_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from otelkv.store import chdb_store
+
+    monkeypatch.setattr(chdb_store, "_INSERT_SETTINGS", (*chdb_store._INSERT_SETTINGS, "no_such_setting = 1"))
+    store = ChdbStore(tmp_path / "traces")
+    try:
+        assert store.insert_settings == chdb_store._INSERT_SETTINGS[:-1]
+        assert store.insert_spans([turn("u", 0, NOW, 1.0, 1.0, "u1")]) == 1
+        assert queries.find_turn(store, "u", 0) is not None
+    finally:
+        store.close()
