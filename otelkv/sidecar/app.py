@@ -60,9 +60,9 @@ class SidecarConfig:
     store_flush_s: float = 2.0
     """Spans wait at most this long in the store writer's queue (sooner once 5000 are queued;
     ``flush()`` writes at once), so the store and the query API see a span up to this late.
-    chDB spends ~40 ms of CPU on an insert whatever its size, plus ~35 us per span (turn spans
-    inserted in batches of 10 to 2000 on the reference machine): at 1000 turns/s that is 136 us
-    per turn with an insert every 0.5 s, 55 us with one every 2 s."""
+    An insert into the embedded store costs 35-50 ms of CPU up to a few hundred spans, merges
+    included, and 15-20 us a span more beyond that (``bench/store_insert_cost.py``), so
+    below a few thousand spans a second this interval sets what the store costs."""
     inject_session_header: bool = True
     inject_body_conversation_id: bool = False
     inject_body_context: bool = True
