@@ -79,6 +79,17 @@ class BatchWriter:
         self._queue: deque[Sequence[SpanRecord]] = deque()
         self._queued = 0
         self._in_flight = 0
+        self._accepted = 0
+        """Spans ever queued: the position in the stream of spans that the next one takes."""
+        self._taken = 0
+        """Position up to which spans have been taken off the queue, in batches."""
+        self._settled = 0
+        """Position before which every span is written or dropped: what :meth:`flush` waits on.
+        Batches settle out of order (an encoding failure beside an insert), so it moves only
+        over a run of settled batches."""
+        self._unsettled: deque[int] = deque()
+        """End positions of the batches taken and not yet settled, in the order taken."""
+        self._settled_ends: set[int] = set()
         self._written = 0
         self._dropped_full = 0
         self._dropped_error = 0
@@ -86,8 +97,9 @@ class BatchWriter:
         self._last_error_log = -_LOG_EVERY_S
         self._cond = threading.Condition()
         self._closing = False
-        self._encoded: tuple[Any, int] | None = None
-        """The batch handed from the encoder to the inserter (encoded form, span count)."""
+        self._encoded: tuple[Any, int, int] | None = None
+        """The batch handed from the encoder to the inserter (encoded form, span count, end
+        position)."""
         self._encoder_done = False
         self._flushing = 0
         """Callers waiting in :meth:`flush`: while any is, partial batches go out at once."""
@@ -111,6 +123,7 @@ class BatchWriter:
             else:
                 self._queue.append(spans)
                 self._queued += n
+                self._accepted += n
                 accepted = True
                 if self._queued >= self.batch_spans or self._flushing:
                     self._cond.notify_all()  # the encoder, not only whichever thread waits
@@ -119,13 +132,16 @@ class BatchWriter:
         return accepted
 
     def flush(self, timeout: float | None = 5.0) -> bool:
-        """Wait until everything submitted so far is written (or dropped); False on timeout."""
+        """Wait until everything submitted before this call is written (or dropped); False on
+        timeout. Spans submitted meanwhile are not waited for, so a flush under a steady
+        stream of spans returns once its own are in (batches are written in order)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._flushing += 1
             self._cond.notify_all()
+            mark = self._accepted
             try:
-                while self._queued or self._in_flight:
+                while self._settled < mark:
                     if not (self._encoder.is_alive() and self._inserter.is_alive()):
                         return False
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -172,7 +188,19 @@ class BatchWriter:
                 self._queue[0] = head[room:]
         self._queued -= len(batch)
         self._in_flight += len(batch)
+        if batch:
+            self._taken += len(batch)
+            self._unsettled.append(self._taken)
         return batch
+
+    def _settle(self, end: int, n: int) -> None:
+        """The batch of ``n`` spans ending at position ``end`` is written or dropped (lock held)."""
+        self._in_flight -= n
+        self._settled_ends.add(end)
+        while self._unsettled and self._unsettled[0] in self._settled_ends:
+            self._settled = self._unsettled.popleft()
+            self._settled_ends.discard(self._settled)
+        self._cond.notify_all()
 
     def _encode_loop(self) -> None:
         """Take batches off the queue, encode each, hand it to the inserter (in order)."""
@@ -200,15 +228,16 @@ class BatchWriter:
                 while self._encoded is not None:
                     self._cond.wait()
                 batch = self._take()
+                end = self._taken
             if not batch:
                 continue
             try:
                 encoded = self.store.encode_spans(batch)
             except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
-                self._failed(len(batch), exc)
+                self._failed(len(batch), end, exc)
                 continue
             with self._cond:  # the slot is free: only this thread fills it
-                self._encoded = (encoded, len(batch))
+                self._encoded = (encoded, len(batch), end)
                 self._cond.notify_all()
 
     def _insert_loop(self) -> None:
@@ -219,25 +248,24 @@ class BatchWriter:
                     self._cond.wait()
                 if self._encoded is None:
                     return
-                (encoded, n), self._encoded = self._encoded, None
+                (encoded, n, end), self._encoded = self._encoded, None
                 self._cond.notify_all()
             try:
                 written = self.store.insert_encoded(encoded)
             except Exception as exc:  # noqa: BLE001 - the writer must survive any store failure
-                self._failed(n, exc)
+                self._failed(n, end, exc)
                 continue
             with self._cond:
                 self._written += written
                 self._batches += 1
-                self._in_flight -= n
-                self._cond.notify_all()
+                self._settle(end, n)
 
-    def _failed(self, n: int, exc: Exception) -> None:
-        """A batch of ``n`` spans the store could not take: counted, logged once a minute."""
+    def _failed(self, n: int, end: int, exc: Exception) -> None:
+        """A batch of ``n`` spans (ending at position ``end``) the store could not take:
+        counted, logged once a minute."""
         with self._cond:
             self._dropped_error += n
-            self._in_flight -= n
-            self._cond.notify_all()
+            self._settle(end, n)
         now = time.monotonic()
         if now - self._last_error_log >= _LOG_EVERY_S:
             self._last_error_log = now

@@ -263,3 +263,78 @@ def test_a_flush_waiting_for_a_batch_in_the_store_does_not_spin_the_encoder() ->
     assert store.batches == [4]
     assert takes <= 10, takes  # ~0.5 s at one take per 0.1 s interval, not thousands
     writer.close()
+
+
+def test_a_flush_under_a_steady_stream_returns_once_its_own_spans_are_in() -> None:
+    """Spans keep arriving faster than the store takes them, so the queue is never empty:
+    a flush still returns, with every span submitted before it written."""
+
+    class SlowStore(FakeStore):
+        def insert_encoded(self, batch: list[SpanRecord]) -> int:
+            time.sleep(0.05)
+            return super().insert_encoded(batch)
+
+    store = SlowStore()
+    writer = BatchWriter(store, batch_spans=20, max_batch_spans=400, flush_interval_s=10.0)
+    submitted: list[str] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        n = 0
+        while not stop.is_set():
+            batch = [
+                SpanRecord(f"{n + i:032x}", f"{n + i:016x}", "", "s", "Internal", 0, 1, {}, {})
+                for i in range(5)
+            ]
+            n += 5
+            writer.submit(batch)
+            submitted.extend(s.span_id for s in batch)
+            time.sleep(0.002)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        time.sleep(0.3)
+        before = list(submitted)
+        started = time.monotonic()
+        assert writer.flush(timeout=10)
+        waited = time.monotonic() - started
+        assert set(before) <= set(store.inserted_ids)
+        assert writer.stats()["queued"] > 0  # the stream went on: the flush did not wait for it
+        assert waited < 5, waited
+    finally:
+        stop.set()
+        producer.join()
+        writer.close()
+
+
+def test_a_flush_waits_for_an_earlier_batch_when_a_later_one_fails_first() -> None:
+    """Batches settle out of order when one fails to encode while the one before it is in the
+    store: a flush that covers only the earlier batch still waits for it."""
+
+    class SecondEncodeFails(FakeStore):
+        def encode_spans(self, batch: Sequence[SpanRecord]) -> list[SpanRecord]:
+            if len(self.encoded) == 1:
+                self.encoded.append(len(batch))
+                raise ValueError("unencodable")
+            return super().encode_spans(batch)
+
+    gate = threading.Event()
+    store = SecondEncodeFails(gate=gate)
+    writer = BatchWriter(store, batch_spans=4, flush_interval_s=10.0)
+    writer.submit(spans(4))
+    assert store.entered.wait(5)  # the first batch is in the store, held there
+    done: list[bool] = []
+    flushed = threading.Thread(target=lambda: done.append(writer.flush(timeout=10)))
+    flushed.start()
+    writer.submit(spans(4))  # taken at once (a flush waits), and its encoding fails
+    deadline = time.monotonic() + 5
+    while writer.stats()["dropped_store_error"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.stats()["dropped_store_error"] == 4
+    time.sleep(0.2)
+    assert flushed.is_alive() and not done  # the first batch is not written yet
+    gate.set()
+    flushed.join(5)
+    assert done == [True] and store.batches == [4]
+    writer.close()
