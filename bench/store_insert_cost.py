@@ -20,7 +20,7 @@ running store pays.
 Printed per size: the median over ``--repeats`` of the process CPU per insert of each arm
 (user + system, chDB's threads included), and the ratio store / default analyzer (the
 median of the repeats' ratios). An insert's cost is mostly per insert, not per span: the
-sidecar's writer inserts every 2 s (``store_flush_s``) or at 5,000 spans, so below ~2,500
+sidecar's writer inserts every 5 s (``store_flush_s``) or at 5,000 spans, so below ~1,000
 spans a second its inserts are small and this fixed part is what it pays.
 """
 

@@ -9,7 +9,7 @@ inserted with ``ChdbStore.insert_encoded`` with the span index's view and withou
 tables, merges stopped (they would land in whichever arm runs next). Printed per batch
 size: the median over ``--repeats`` of the process CPU per insert (chDB's threads
 included) in each arm, and what the view adds per insert and per span. The sidecar's
-writer inserts every 2 s or at 5,000 spans: 500 spans an insert is 250 spans a second.
+writer inserts every 5 s or at 5,000 spans: 500 spans an insert is 100 spans a second.
 """
 
 from __future__ import annotations

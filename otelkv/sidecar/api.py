@@ -3,6 +3,11 @@
 Only one process can open a chDB directory, and the sidecar holds it, so the CLI asks
 here. The answers are exactly the dicts of :mod:`otelkv.analysis.report`. Queries run in
 a worker thread: a slow query never stalls the receiver or the proxy.
+
+Each query first settles what the sidecar has received (``settle``: turns the proxy has
+finished and spans waiting in the store writer's queue are written), so an answer includes
+every turn whose response was sent before the query was asked, however long the writer's
+flush interval: ``otelkv why`` right after a slow turn finds it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class QueryApi:
         *,
         engine_urls: tuple[str, ...] = (),
         router_handle_ttl_s: float | None = None,
+        settle: Callable[[], object] | None = None,
     ) -> None:
         self.source = source
         """An ``otelkv.analysis.sources.SpanSource`` over the store (None: no store)."""
@@ -56,6 +62,9 @@ class QueryApi:
         self.engine_urls = engine_urls
         """Engines the sidecar was told about (``--engine``): the doctor reads their /metrics."""
         self.router_handle_ttl_s = router_handle_ttl_s
+        self.settle = settle
+        """Called (in the query's worker thread) before every query; bounded by its caller,
+        and a failure in it only costs the answer its freshest spans."""
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -80,7 +89,7 @@ class QueryApi:
             return web.json_response({"error": "this sidecar runs without a store (--no-store)"}, status=503)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: fn(self.source, *args, **kwargs)
+                None, lambda: self._settled(fn, *args, **kwargs)
             )
         except NotFound as exc:
             return web.json_response({"error": str(exc)}, status=404)
@@ -94,6 +103,15 @@ class QueryApi:
             logger.exception("otelkv sidecar: query failed")
             return web.json_response({"error": f"query failed: {type(exc).__name__}: {exc}"}, status=500)
         return web.json_response(result)
+
+    def _settled(self, fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``fn`` over the source, once what the sidecar received has been written."""
+        if self.settle is not None:
+            try:
+                self.settle()
+            except Exception:  # the query still answers, from what is stored
+                logger.warning("otelkv sidecar: writing received spans before a query failed", exc_info=True)
+        return fn(self.source, *args, **kwargs)
 
     async def slow(self, request: web.Request) -> web.Response:
         from otelkv.analysis import report

@@ -84,3 +84,23 @@ def test_sidecar_command_refuses_a_store_another_process_holds(tmp_path: Path) -
         assert "open in another process" in out.stderr
     finally:
         holder.communicate("", timeout=30)
+
+
+def test_a_query_right_after_a_turn_answers_with_that_turn(fake_upstream: str, tmp_path: Path) -> None:
+    """The query API writes what the sidecar has received before it reads the store: a turn
+    whose response the client has is in the answer, though the writer's flush interval has
+    not passed (the turn and the query a few milliseconds apart)."""
+    from tests.unit import sidecar_harness as h
+
+    sidecar = h.start_cli(fake_upstream, tmp_path / "store")
+    try:
+        for turn in range(3):
+            result = h.chat(sidecar.proxy_url, "conv-fresh", turn, stream=turn == 1)
+            assert result.ok, result
+            with urllib.request.urlopen(
+                f"{sidecar.admin_url}/api/v1/conversations/conv-fresh", timeout=30
+            ) as r:
+                answer = json.loads(r.read())
+            assert len(answer["turns"]) == turn + 1, answer
+    finally:
+        assert sidecar.stop() == 0
