@@ -5,9 +5,10 @@ here. The answers are exactly the dicts of :mod:`otelkv.analysis.report`. Querie
 a worker thread: a slow query never stalls the receiver or the proxy.
 
 Each query first settles what the sidecar has received (``settle``: turns the proxy has
-finished and spans waiting in the store writer's queue are written), so an answer includes
-every turn whose response was sent before the query was asked, however long the writer's
-flush interval: ``otelkv why`` right after a slow turn finds it.
+finished and spans waiting in the store writer's queue are written, within the bound the
+sidecar gives), so an answer includes every turn whose response was sent before the query
+was asked, however long the writer's flush interval: ``otelkv why`` right after a slow turn
+finds it. A store too far behind to catch up within that bound answers from what it has.
 """
 
 from __future__ import annotations

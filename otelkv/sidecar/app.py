@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,8 @@ from otelkv.spans import SpanRecord
 logger = logging.getLogger("otelkv.sidecar")
 
 QUERY_SETTLE_S = 2.0
-"""How long a query-API request waits, at most, for the proxy's finished turns and then for
-the store writer, before it reads the store (see :mod:`otelkv.sidecar.api`)."""
+"""How long a query-API request waits, at most, for the proxy's finished turns and the store
+writer together, before it reads the store (see :mod:`otelkv.sidecar.api`)."""
 
 
 def default_store_path() -> Path:
@@ -64,11 +65,13 @@ class SidecarConfig:
     store_flush_s: float = 5.0
     """Spans wait at most this long in the store writer's queue (sooner once 5000 are queued;
     ``flush()`` writes at once). The query API flushes before it reads, so its answers are
-    never this late; a ClickHouse server read directly (Grafana) sees a span up to this late.
-    An insert into the embedded store costs 35-50 ms of CPU up to a few hundred spans, merges
-    included, and 15-20 us a span more beyond that (``bench/store_insert_cost.py``), so
-    below a few thousand spans a second this interval sets what the store costs: at 20
-    turns a second, an insert every 5 s is about 1.3 % of a core, every 2 s about 3 %."""
+    not this late; a ClickHouse server read directly (Grafana) sees a span up to this late,
+    and a killed main process loses up to this much. An insert into the embedded store
+    costs 35-60 ms of CPU up to a few hundred spans, merges included, and 15-20 us a span
+    more beyond that (``bench/store_insert_cost.py``), so below a few thousand spans a
+    second this interval sets what the store costs: at 20 turns a second, an insert every
+    5 s is about 1.3 % of a core, every 2 s about 3 % (each API query with spans waiting
+    adds an insert)."""
     inject_session_header: bool = True
     inject_body_conversation_id: bool = False
     inject_body_context: bool = True
@@ -317,13 +320,16 @@ class Sidecar:
     def otlp_endpoint(self) -> str:
         return f"{self.admin_url}/v1/traces"
 
-    def flush(self, timeout: float = 10.0) -> None:
-        """Write everything received so far to the store (tests, demo, shutdown).
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Write everything received so far to the store (query API, tests, demo, shutdown);
+        True when it was all written within ``timeout`` seconds (one deadline for both steps).
 
         "Received" includes every turn whose response has been sent: the proxy process is
         asked to hand over its finished turns first.
         """
-        if self._proxy_started:
-            self.proxy.sync(timeout)
-        if self.writer is not None:
-            self.writer.flush(timeout)
+        deadline = time.monotonic() + timeout
+        synced = not self._proxy_started or self.proxy.sync(timeout)
+        writer = self.writer  # stop() may clear it meanwhile
+        if writer is None:
+            return synced
+        return writer.flush(max(deadline - time.monotonic(), 0.0)) and synced

@@ -161,9 +161,12 @@ class ProxyProcess:
             event = self._acks[n] = threading.Event()
         try:
             self._sock.sendall(channel.encode(("sync", n)))
+            return event.wait(timeout)
         except OSError:
             return False
-        return event.wait(timeout)
+        finally:
+            with self._lock:
+                self._acks.pop(n, None)  # answered, or given up on: either way not kept
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._sock is not None:

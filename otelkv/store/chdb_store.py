@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ from otelkv.spans import SpanRecord
 from otelkv.store import schema
 from otelkv.store.arrow_batch import ARROW_SCHEMA, BuildError, spans_to_arrow
 from otelkv.store.base import StoreError, param_text
+
+log = logging.getLogger(__name__)
 
 _MERGE_SETTINGS = "vertical_merge_algorithm_min_rows_to_activate = 1"
 """Table setting for the embedded store only (the collector's DDL in schema.py stays as is).
@@ -49,13 +52,13 @@ _INSERT_SETTINGS = ("materialize_skip_indexes_on_insert = 0", "enable_analyzer =
   its insert skips the bloom-filter work; merges build every index for the parts they
   write. Until its first merge a fresh part (a few thousand rows) is read without index
   pruning.
-* ``enable_analyzer = 0``: ClickHouse analyzes the two materialized views' queries again
-  for every insert, and its default (new) analyzer spends about 10 ms of CPU more on that
-  than the old one, whatever the insert's size; an insert of a few spans, the sidecar's
-  usual one, cost 33 ms with it and 20 ms without (``bench/store_insert_cost.py``). The
+* ``enable_analyzer = 0``: an insert is analyzed again every time, the two materialized
+  views' queries with it, and ClickHouse's default (new) analyzer made every insert cost
+  more CPU: 45.8 against 35.2 ms for one span, 62.7 against 51.8 for 100, 178.2 against
+  152.0 for 5,000 (``bench/store_insert_cost.py``, merges included). Taken apart once, most
+  of it was the span index's view (14 ms under the new analyzer, 8 under the old). The
   views' rows are the same (``tests/unit/test_store_chdb.py``). Reads keep the default.
-  A chDB that no longer knows the setting inserts without it (checked when the store
-  opens).
+  A chDB that no longer knows a setting inserts without it (checked when the store opens).
 """
 
 
@@ -129,22 +132,29 @@ class ChdbStore:
             )
             # Also on stores created before this setting (it is idempotent).
             self._session.query(f"ALTER TABLE {self._table} MODIFY SETTING {_MERGE_SETTINGS}")
+            self.insert_settings = tuple(s for s in _INSERT_SETTINGS if self._knows(s))
+            """The :data:`_INSERT_SETTINGS` this chDB knows, in every insert's ``SETTINGS``."""
         except RuntimeError as exc:
             self.close()
             raise StoreError(f"cannot create the otel_traces schema in {self.path}: {exc}") from None
-        self.insert_settings = tuple(s for s in _INSERT_SETTINGS if self._accepts(s))
-        """The :data:`_INSERT_SETTINGS` this chDB knows, in every insert's ``SETTINGS``."""
-        settings = f"SETTINGS {', '.join(self.insert_settings)} " if self.insert_settings else ""
-        self._insert_sql = (
+        self._insert_sql = self.insert_sql(self.insert_settings)
+
+    def insert_sql(self, settings: Sequence[str]) -> str:
+        """The statement that inserts an :data:`ARROW_SCHEMA` table, with these settings."""
+        clause = f"SETTINGS {', '.join(settings)} " if settings else ""
+        return (
             f"INSERT INTO {self._table} ({', '.join(f'`{c}`' for c in schema.COLUMNS)}) "
-            f"{settings}SELECT * FROM Python(_otelkv_arrow_batch)"
+            f"{clause}SELECT * FROM Python(_otelkv_arrow_batch)"
         )
 
-    def _accepts(self, setting: str) -> bool:
-        """Whether this chDB runs a query with ``setting`` (an unknown one is an error)."""
+    def _knows(self, setting: str) -> bool:
+        """Whether this chDB knows ``setting``; any other failure of the probe is raised."""
         try:
             self._session.query(f"SELECT 1 SETTINGS {setting}")
-        except RuntimeError:
+        except RuntimeError as exc:
+            if "UNKNOWN_SETTING" not in str(exc):
+                raise
+            log.info("otelkv store: this chDB does not know %r; inserts go without it", setting)
             return False
         return True
 

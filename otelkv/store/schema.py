@@ -145,16 +145,18 @@ ORDER BY (TraceId)
 {ttl_start}
 SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
 
-_TRACE_ID_TS_MV_SQL = """\
-CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.{mv}
-TO {db}.{lookup}
-AS SELECT
+_TRACE_ID_TS_SELECT = """\
+SELECT
     TraceId,
     min(Timestamp) as Start,
     max(Timestamp) as End
 FROM {db}.{table}
 WHERE TraceId != ''
 GROUP BY TraceId"""
+_TRACE_ID_TS_MV_SQL = f"""\
+CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.{{mv}}
+TO {{db}}.{{lookup}}
+AS {_TRACE_ID_TS_SELECT}"""
 
 _INDEX_TABLE_SQL = """\
 CREATE TABLE IF NOT EXISTS {db}.{index} (
@@ -270,6 +272,11 @@ def index_backfill(database: str = "otel") -> str:
 def index_select(database: str = "otel") -> str:
     """The span index's rows for the spans in ``otel_traces``: its view's query."""
     return _INDEX_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
+
+
+def trace_id_lookup_select(database: str = "otel") -> str:
+    """The trace-id lookup's rows for the spans in ``otel_traces``: its view's query."""
+    return _TRACE_ID_TS_SELECT.format(db=quote_ident(database), table=quote_ident(TRACES_TABLE))
 
 
 def index_view_without_rates_query(database: str = "otel") -> str:

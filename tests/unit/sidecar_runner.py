@@ -8,7 +8,8 @@ Why not only ``otelkv sidecar``: some faults (a closed store, inserts that raise
 Prints one JSON line with its addresses and pids once serving, then answers each command
 line on stdin with one JSON line:
 
-- ``flush``: ``Sidecar.flush`` (proxy turns handed over, writer drained), then ``stats``;
+- ``flush``: ``Sidecar.flush`` (proxy turns handed over, writer drained): whether it all
+  got written (``flushed``), then ``stats``;
 - ``stats``: the writer's counters;
 - ``close-store``: close the store under the running writer;
 - ``fail-inserts`` / ``heal-inserts``: make every insert raise ``OSError(ENOSPC)``, or not;
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             command = line.strip()
             reply: dict[str, Any] = {"command": command}
             if command == "flush":
-                sidecar.flush(timeout=30.0)
+                reply["flushed"] = sidecar.flush(timeout=30.0)
             elif command == "close-store":
                 sidecar.store.close()
             elif command == "fail-inserts":

@@ -94,8 +94,13 @@ def test_main_killed_during_writes_keeps_every_acknowledged_span(fake_upstream: 
             for _ in range(4):
                 time.sleep(0.4)
                 done = set(finished)  # finished before the flush began: its write is acknowledged
-                stats = sc.command("flush")["stats"]
-                assert stats["dropped_store_error"] == 0 and stats["dropped_queue_full"] == 0
+                answer = sc.command("flush")
+                stats = answer["stats"]
+                assert (
+                    answer["flushed"]
+                    and stats["dropped_store_error"] == 0
+                    and stats["dropped_queue_full"] == 0
+                )
                 acknowledged |= done
             time.sleep(0.2)  # writes in flight again
             assert sc.command("stats")["stats"]["written"] > 0

@@ -707,9 +707,9 @@ def test_the_views_write_what_their_queries_select_under_the_default_analyzer(st
         "SELECT TraceId, min(Start) AS lo, max(End) AS hi FROM otel.otel_traces_trace_id_ts "
         "GROUP BY TraceId ORDER BY TraceId"
     )
-    wanted = store.query(
-        "SELECT TraceId, toDateTime(min(Timestamp)) AS lo, toDateTime(max(Timestamp)) AS hi "
-        "FROM otel.otel_traces WHERE TraceId != '' GROUP BY TraceId ORDER BY TraceId "
+    wanted = store.query(  # the lookup's columns are DateTime: its view's rows, so converted
+        "SELECT TraceId, toDateTime(min(Start)) AS lo, toDateTime(max(End)) AS hi "
+        f"FROM ({schema.trace_id_lookup_select()}) GROUP BY TraceId ORDER BY TraceId "
         "SETTINGS enable_analyzer = 1"
     )
     assert looked_up == wanted and len(wanted) == len({s.trace_id for s in spans})

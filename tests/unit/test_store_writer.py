@@ -266,8 +266,9 @@ def test_a_flush_waiting_for_a_batch_in_the_store_does_not_spin_the_encoder() ->
 
 
 def test_a_flush_under_a_steady_stream_returns_once_its_own_spans_are_in() -> None:
-    """Spans keep arriving faster than the store takes them, so the queue is never empty:
-    a flush still returns, with every span submitted before it written."""
+    """Spans keep arriving while the store takes its time over each insert, so there is
+    always a batch queued or in the store: a flush still returns, with every span
+    submitted before it written."""
 
     class SlowStore(FakeStore):
         def insert_encoded(self, batch: list[SpanRecord]) -> int:
