@@ -561,6 +561,9 @@ LIMIT 1"""
     return spans[0] if spans else None
 
 
+_EXPLAINABLE = f"({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS})"
+"""Spans that make a trace one ``otelkv why`` can explain: a turn or an engine request."""
+
 PREFIX_CANDIDATES = 64
 """Most trace ids starting with a prefix that :func:`traces_with_prefix` checks one by one;
 a prefix shared by more is looked for in ``otel_traces`` by prefix. The ids travel as
@@ -596,7 +599,7 @@ def traces_with_prefix(store: TraceStore, prefix: str, *, limit: int = 100) -> l
     index = _index_table(store)
     found = _traces_where(store, index, _INDEX_TURNS, ranges) if index is not None else set()
     rest = {t: r for t, r in ranges.items() if t not in found}
-    found |= _traces_where(store, table, f"({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS})", rest)
+    found |= _traces_where(store, table, _EXPLAINABLE, rest)
     if not found:  # none, or only traces the lookup lacks (spans from before its view)
         return _traces_with_prefix_scan(store, prefix, limit, bounded=False)
     return sorted(found)[:limit]
@@ -633,7 +636,7 @@ def _traces_with_prefix_scan(store: TraceStore, prefix: str, limit: int, *, boun
 SELECT DISTINCT TraceId
 FROM {table}
 WHERE startsWith(TraceId, {{prefix:String}})
-  AND ({span_sql.TURN_SPANS} OR {span_sql.ENGINE_REQUEST_SPANS}){within}
+  AND {_EXPLAINABLE}{within}
 ORDER BY TraceId
 LIMIT {{limit:UInt64}}"""
     rows = store.query(sql, {"prefix": prefix, "limit": limit})

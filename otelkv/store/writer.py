@@ -80,9 +80,8 @@ class BatchWriter:
         self._queued = 0
         self._in_flight = 0
         self._accepted = 0
-        """Spans ever queued: the position in the stream of spans that the next one takes."""
-        self._taken = 0
-        """Position up to which spans have been taken off the queue, in batches."""
+        """Spans ever queued: the position in the stream of spans that the next one takes
+        (``_accepted - _queued`` is where the next batch taken starts)."""
         self._settled = 0
         """Position before which every span is written or dropped: what :meth:`flush` waits on.
         Batches settle out of order (an encoding failure beside an insert), so it moves only
@@ -189,8 +188,7 @@ class BatchWriter:
         self._queued -= len(batch)
         self._in_flight += len(batch)
         if batch:
-            self._taken += len(batch)
-            self._unsettled.append(self._taken)
+            self._unsettled.append(self._accepted - self._queued)
         return batch
 
     def _settle(self, end: int, n: int) -> None:
@@ -228,7 +226,7 @@ class BatchWriter:
                 while self._encoded is not None:
                     self._cond.wait()
                 batch = self._take()
-                end = self._taken
+                end = self._accepted - self._queued
             if not batch:
                 continue
             try:
